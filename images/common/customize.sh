@@ -1,0 +1,29 @@
+#!/bin/sh
+# Shared customisation of every vmsandbox guest image. $1 is the image's root directory.
+# Runs on the build host (mmdebstrap customize hook); uses chroot only for commands that must run
+# inside the guest's own userland.
+set -eu
+root="$1"
+
+# Root on the whole virtio disk (no partition table: the image is one ext4 filesystem).
+printf '/dev/vda / ext4 defaults,errors=remount-ro 0 1\n' > "$root/etc/fstab"
+
+# Host keys come from the cloud-init seed (pinned by the client): never bake any into the image.
+rm -f "$root"/etc/ssh/ssh_host_*
+
+# cloud-init: only the NoCloud seed, so boot never waits on probing metadata services.
+mkdir -p "$root/etc/cloud/cloud.cfg.d"
+cat > "$root/etc/cloud/cloud.cfg.d/90-vmsandbox.cfg" <<'CFG'
+datasource_list: [NoCloud, None]
+CFG
+
+# Serial console login for debugging through `virsh console`.
+chroot "$root" systemctl enable serial-getty@ttyS0.service >/dev/null 2>&1 || true
+
+# A machine id is created at first boot, so clones of the image differ.
+: > "$root/etc/machine-id"
+rm -f "$root/var/lib/dbus/machine-id"
+
+# Slim the image: documentation, man pages and apt lists are not needed in a sandbox.
+rm -rf "$root"/usr/share/doc/* "$root"/usr/share/man/* "$root"/var/lib/apt/lists/* \
+       "$root"/var/cache/apt/*.bin

@@ -1,0 +1,121 @@
+"""Operator configuration: defaults, then a TOML file, then environment variables.
+
+File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Environment variables
+override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
+``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from vmsandbox.errors import InvalidArgument
+
+DEFAULT_CONFIG_FILE = "/etc/vmsandbox/config.toml"
+
+_ENV = {
+    "uri": "VMSANDBOX_URI",
+    "state_dir": "VMSANDBOX_STATE_DIR",
+    "image_dir": "VMSANDBOX_IMAGE_DIR",
+    "virt_type": "VMSANDBOX_VIRT_TYPE",
+    "network": "VMSANDBOX_NETWORK",
+    "boot_timeout": "VMSANDBOX_BOOT_TIMEOUT",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Where vmsandbox keeps things, how it talks to libvirt, and what one sandbox may take."""
+
+    uri: str = "qemu:///system"
+    state_dir: Path = Path("/var/lib/vmsandbox")
+    image_dir: Path | None = None  # default: <state_dir>/images
+    virt_type: str = "auto"  # "auto" | "kvm" | "qemu"
+    # "user": QEMU user-mode network, guest port 22 forwarded to 127.0.0.1:<free port>.
+    # Any other value names a libvirt network; the guest address comes from its DHCP lease.
+    network: str = "user"
+    # With "user" networking: whether the guest may open connections to the outside world.
+    guest_outbound: bool = False
+    ssh_user: str = "sandbox"
+    boot_timeout: float = 240.0  # seconds for a guest without GPUs to answer SSH
+    max_cpus: int = 8
+    max_memory_mib: int = 65536
+    max_disk_gib: int = 256
+    max_gpus: int = 16
+    # Pin vCPUs to the host CPUs of the GPUs' NUMA node when a sandbox has GPUs.
+    numa_pinning: bool = True
+    ovmf_code: Path = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+    ovmf_vars: Path = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+
+    @property
+    def images(self) -> Path:
+        return self.image_dir or self.state_dir / "images"
+
+    @property
+    def disks(self) -> Path:
+        """Overlays and seeds: readable by the hypervisor's user, so kept apart from keys."""
+        return self.state_dir / "disks"
+
+    @property
+    def sandboxes(self) -> Path:
+        """Per-sandbox keys, pinned host keys and console logs (owner only)."""
+        return self.state_dir / "sandboxes"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.state_dir / "host.lock"
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None, **overrides: Any) -> Config:
+        """Defaults < config file < environment < keyword overrides."""
+        values: dict[str, Any] = {}
+        file = Path(path or os.environ.get("VMSANDBOX_CONFIG", DEFAULT_CONFIG_FILE))
+        if file.is_file():
+            try:
+                with file.open("rb") as handle:
+                    values.update(tomllib.load(handle))
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise InvalidArgument(f"config file {file} cannot be read: {exc}") from exc
+        for key, env in _ENV.items():
+            if env in os.environ:
+                values[key] = os.environ[env]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return _coerce(cls(), values, file)
+
+
+def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
+    known = {f.name: f for f in fields(Config)}
+    changes: dict[str, Any] = {}
+    for key, raw in values.items():
+        if key not in known:
+            raise InvalidArgument(
+                f"unknown config key {key!r} (from {source} or the environment); "
+                f"known keys: {', '.join(sorted(known))}"
+            )
+        default = getattr(base, key)
+        try:
+            if isinstance(default, bool):
+                value: Any = (
+                    raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
+                )
+            elif isinstance(default, int):
+                value = int(raw)
+            elif isinstance(default, float):
+                value = float(raw)
+            elif key in ("state_dir", "image_dir", "ovmf_code", "ovmf_vars"):
+                value = Path(raw)
+            else:
+                value = str(raw)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"config key {key!r} has a bad value {raw!r}: {exc}") from exc
+        changes[key] = value
+    config = replace(base, **changes)
+    if config.virt_type not in ("auto", "kvm", "qemu"):
+        raise InvalidArgument(
+            f"config virt_type {config.virt_type!r} is not one of auto, kvm, qemu"
+        )
+    return config

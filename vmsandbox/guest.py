@@ -1,0 +1,193 @@
+"""Talking to a booted guest over SSH with its pinned host key (paramiko).
+
+No AutoAddPolicy: the only host key accepted is the one handed to the guest in its seed.
+A guest presenting any other key is refused with FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO
+
+import paramiko
+
+from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from vmsandbox.keys import SandboxKeys
+from vmsandbox.progress import Progress, silent
+
+# paramiko logs every failed handshake with a traceback; while a guest boots those are expected.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger("paramiko").propagate = False
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+    user: str
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_status: int
+    stdout: str
+    stderr: str
+
+
+class HostKeyMismatch(FailedPrecondition):
+    """The guest answered with a host key other than the pinned one."""
+
+
+def _client(endpoint: Endpoint, keys: SandboxKeys, timeout: float) -> paramiko.SSHClient:
+    client = paramiko.SSHClient()
+    key_type, key_b64 = keys.host_public_key().split()[:2]
+    pinned = paramiko.PKey.from_type_string(key_type, base64.b64decode(key_b64))
+    lookup = endpoint.host if endpoint.port == 22 else f"[{endpoint.host}]:{endpoint.port}"
+    client.get_host_keys().add(lookup, key_type, pinned)
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    try:
+        client.connect(
+            endpoint.host,
+            port=endpoint.port,
+            username=endpoint.user,
+            key_filename=str(keys.client_key),
+            look_for_keys=False,
+            allow_agent=False,
+            timeout=timeout,
+            banner_timeout=timeout,
+            auth_timeout=timeout,
+        )
+    except paramiko.BadHostKeyException as exc:
+        client.close()
+        raise HostKeyMismatch(
+            f"guest at {endpoint.host}:{endpoint.port} presented host key "
+            f"{exc.key.get_fingerprint().hex()} ({exc.key.get_name()}), not the key pinned for "
+            f"{keys.host_alias}; refusing to connect"
+        ) from exc
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def connect(endpoint: Endpoint, keys: SandboxKeys, timeout: float = 10.0) -> paramiko.SSHClient:
+    """An authenticated client, or UNAVAILABLE when the guest does not answer."""
+    try:
+        return _client(endpoint, keys, timeout)
+    except HostKeyMismatch:
+        raise
+    except (OSError, paramiko.SSHException, EOFError) as exc:
+        raise Unavailable(
+            f"cannot reach the guest over SSH at {endpoint.host}:{endpoint.port}: {exc}"
+        ) from exc
+
+
+def wait_ready(
+    endpoint: Endpoint,
+    keys: SandboxKeys,
+    *,
+    timeout: float,
+    interval: float = 0.2,
+    progress: Progress = silent,
+    still_running: Callable[[], bool] = lambda: True,
+    stage: Callable[[], str | None] = lambda: None,
+) -> float:
+    """Poll until SSH accepts the sandbox key; return the seconds waited.
+
+    ``still_running`` lets the caller stop early when the domain has died; ``stage`` reports
+    what the guest is doing (read from its console) for progress lines.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    last_error = "no answer yet"
+    last_report = 0.0
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            raise DeadlineExceeded(
+                f"guest did not accept SSH at {endpoint.host}:{endpoint.port} within "
+                f"{timeout:.0f}s (last error: {last_error})"
+            )
+        if not still_running():
+            raise DeadlineExceeded(
+                f"guest stopped before SSH came up at {endpoint.host}:{endpoint.port}"
+            )
+        if now - last_report >= 5.0:
+            last_report = now
+            where = stage()
+            progress(f"waiting for SSH ({now - start:.0f}s{', guest: ' + where if where else ''})")
+        try:
+            client = _client(endpoint, keys, timeout=min(5.0, max(0.5, deadline - now)))
+        except HostKeyMismatch:
+            raise
+        except (TimeoutError, OSError, paramiko.SSHException, EOFError) as exc:
+            last_error = str(exc) or type(exc).__name__
+            time.sleep(interval)
+            continue
+        client.close()
+        return time.monotonic() - start
+
+
+def run(
+    endpoint: Endpoint,
+    keys: SandboxKeys,
+    command: str,
+    *,
+    timeout: float | None = None,
+    stdout: IO[bytes] | None = None,
+    stderr: IO[bytes] | None = None,
+    stdin: bytes | None = None,
+) -> ExecResult:
+    """Run ``command`` (a shell string, already quoted by the caller) and wait for it.
+
+    With ``stdout``/``stderr`` streams given, output is copied there as it arrives (and the
+    returned texts are empty); otherwise it is collected.
+    """
+    client = connect(endpoint, keys)
+    try:
+        transport = client.get_transport()
+        assert transport is not None
+        channel = transport.open_session()
+        channel.settimeout(timeout)
+        channel.exec_command(command)
+        if stdin is not None:
+            channel.sendall(stdin)
+        channel.shutdown_write()
+        out_sink = stdout or io.BytesIO()
+        err_sink = stderr or io.BytesIO()
+        deadline = time.monotonic() + timeout if timeout else None
+        while True:
+            got = False
+            if channel.recv_ready():
+                out_sink.write(channel.recv(65536))
+                got = True
+            if channel.recv_stderr_ready():
+                err_sink.write(channel.recv_stderr(65536))
+                got = True
+            if (
+                channel.exit_status_ready()
+                and not channel.recv_ready()
+                and not (channel.recv_stderr_ready())
+            ):
+                break
+            if deadline and time.monotonic() > deadline:
+                raise DeadlineExceeded(f"command did not finish within {timeout}s: {command}")
+            if not got:
+                time.sleep(0.01)
+            for sink in (out_sink, err_sink):
+                if sink in (sys.stdout.buffer, sys.stderr.buffer):
+                    sink.flush()
+        status = channel.recv_exit_status()
+        return ExecResult(
+            exit_status=status,
+            stdout=out_sink.getvalue().decode(errors="replace") if stdout is None else "",
+            stderr=err_sink.getvalue().decode(errors="replace") if stderr is None else "",
+        )
+    finally:
+        client.close()

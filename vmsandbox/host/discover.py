@@ -1,0 +1,230 @@
+"""Host GPU inventory: which GPUs the host has and whether each can go to a guest.
+
+What counts as a GPU: NVIDIA (0x10de) VGA and 3D controllers, AMD (0x1002) VGA and display
+controllers and processing accelerators (MI300X). NVIDIA bridges of class 0x0680 are
+NVSwitches: listed as fabric, never as GPUs.
+
+A GPU is bindable (libvirt can detach it to vfio-pci for a guest) when the IOMMU is on, the GPU
+has an IOMMU group, every other member of that group is a companion function of the same card,
+a PCI bridge or already on vfio-pci, it is not the boot VGA device, and no host process holds
+it open. Whether a libvirt domain already holds it is reported apart (``in_use_by``).
+
+``pcie_switch``: the GPU's parent bridge is a switch downstream port when that bridge has a PCI
+parent of its own; that grandparent is the switch's upstream port. A GPU behind a root port
+(whose parent is the host bridge, not a PCI function) gets None.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+from . import pci_ids
+from .bars import parse_resource, prefetchable_64bit_total
+from .bdf import canonical_bdf, slot_of
+from .model import FabricDevice, Gpu, Inventory
+from .nvml import NvmlApi, NvmlGpu, NvmlReport, read_nvml
+from .processes import device_node_holders, nvidia_minors, process_name
+from .sysfs import PciFunction, scan_pci
+
+NVIDIA = "0x10de"
+AMD = "0x1002"
+VENDORS = {NVIDIA: "nvidia", AMD: "amd"}
+# (vendor, class >> 8) of GPUs and of fabric devices
+GPU_CLASSES = {(NVIDIA, 0x0300), (NVIDIA, 0x0302), (AMD, 0x0300), (AMD, 0x0380), (AMD, 0x1200)}
+FABRIC_CLASSES = {(NVIDIA, 0x0680)}
+VFIO_DRIVER = "vfio-pci"
+NVIDIA_DRIVER = "nvidia"
+IOMMU_OFF = (
+    "IOMMU is off on this host (no PCI device has an iommu_group); "
+    "enable intel_iommu=on or amd_iommu=on"
+)
+
+
+def _kind(function: PciFunction) -> str | None:
+    key = (function.vendor_id, function.class_code >> 8)
+    if key in GPU_CLASSES:
+        return "gpu"
+    if key in FABRIC_CLASSES:
+        return "fabric"
+    return None
+
+
+def _class_name(function: PciFunction) -> str:
+    """Readable class of a device, for reasons: hwdb, then pci.ids, then the code."""
+    return (
+        function.hwdb_class_name
+        or pci_ids.class_name(function.class_id)
+        or f"PCI class {function.class_id}"
+    )
+
+
+def _name(function: PciFunction, nvml_name: str | None) -> str | None:
+    """hwdb, then pci.ids, then NVML, then the built-in table."""
+    if function.hwdb_name:
+        return function.hwdb_name
+    name = pci_ids.device_name(function.vendor_id, function.device_id) or nvml_name
+    if name:
+        return name
+    part = pci_ids.known_part(function.vendor_id, function.device_id)
+    return part.name if part else None
+
+
+def _host_holders(gpus: list[PciFunction], proc_root: str) -> dict[str, set[int]]:
+    """PIDs holding each nvidia-driven GPU's /dev/nvidiaN open."""
+    minors = nvidia_minors((gpu.bdf for gpu in gpus if gpu.driver == NVIDIA_DRIVER), proc_root)
+    by_node = device_node_holders((f"/dev/nvidia{minor}" for minor in minors.values()), proc_root)
+    return {bdf: by_node[f"/dev/nvidia{minor}"] for bdf, minor in minors.items()}
+
+
+class _Host:
+    """The scanned PCI functions and what the rules need to know about them."""
+
+    def __init__(self, functions: dict[str, PciFunction]) -> None:
+        self.functions = functions
+        self.groups: dict[int, list[str]] = defaultdict(list)
+        self.slots: dict[str, list[str]] = defaultdict(list)
+        for bdf, function in functions.items():
+            if function.iommu_group is not None:
+                self.groups[function.iommu_group].append(bdf)
+            self.slots[slot_of(bdf)].append(bdf)
+        self.iommu = bool(self.groups)
+
+    def companions(self, gpu: PciFunction) -> list[PciFunction]:
+        """The other functions of the GPU's slot (HDMI audio, USB, UCSI)."""
+        return [self.functions[bdf] for bdf in self.slots[slot_of(gpu.bdf)] if bdf != gpu.bdf]
+
+    def group_members(self, gpu: PciFunction) -> list[PciFunction]:
+        """The other devices of the GPU's IOMMU group."""
+        if gpu.iommu_group is None:
+            return []
+        return [self.functions[bdf] for bdf in self.groups[gpu.iommu_group] if bdf != gpu.bdf]
+
+    def pcie_switch(self, gpu: PciFunction) -> str | None:
+        """Upstream port of the switch above the GPU (see the module docstring)."""
+        parent = self.functions.get(gpu.parent_bdf) if gpu.parent_bdf else None
+        if parent is None or parent.parent_bdf not in self.functions:
+            return None
+        return parent.parent_bdf
+
+    def reasons(
+        self, gpu: PciFunction, companions: tuple[str, ...], pids: set[int], proc_root: str
+    ) -> list[str]:
+        """Readable sentences saying why the GPU cannot go to a guest; empty when it can."""
+        reasons: list[str] = []
+        if not self.iommu:
+            reasons.append(IOMMU_OFF)
+        elif gpu.iommu_group is None:
+            reasons.append(
+                "the GPU has no IOMMU group although the IOMMU is on, so VFIO cannot take it"
+            )
+        for member in self.group_members(gpu):
+            if member.bdf in companions or member.is_bridge or member.driver == VFIO_DRIVER:
+                continue
+            driver = f"driver {member.driver}" if member.driver else "no driver"
+            reasons.append(
+                f"IOMMU group {gpu.iommu_group} also holds {member.bdf} "
+                f"({_class_name(member)}, {driver}), which is not a companion, a bridge "
+                "or on vfio-pci"
+            )
+        if gpu.boot_vga:
+            reasons.append("it is the boot VGA device (boot_vga=1): the host console runs on it")
+        if pids:
+            held = ", ".join(
+                f"pid {pid} ({process_name(pid, proc_root) or '?'})" for pid in sorted(pids)
+            )
+            reasons.append(f"host processes hold it open: {held}")
+        return reasons
+
+
+def _fabric(function: PciFunction) -> FabricDevice:
+    return FabricDevice(
+        bdf=function.bdf,
+        vendor=VENDORS[function.vendor_id],
+        vendor_id=function.vendor_id,
+        device_id=function.device_id,
+        class_id=function.class_id,
+        name=_name(function, None),
+        driver=function.driver,
+        numa_node=function.numa_node,
+        iommu_group=function.iommu_group,
+    )
+
+
+def _memory(function: PciFunction, nvml_gpu: NvmlGpu | None) -> tuple[int | None, str]:
+    """Memory in MiB and where the figure came from."""
+    if nvml_gpu is not None:
+        return nvml_gpu.memory_mib, "nvml"
+    part = pci_ids.known_part(function.vendor_id, function.device_id)
+    if part is not None:
+        return part.memory_mib, "pci-id"
+    return None, "unknown"
+
+
+def discover(
+    in_use: Mapping[str, str] | None = None,
+    *,
+    use_nvml: bool = True,
+    proc_root: str = "/proc",
+    nvml: NvmlApi | None = None,
+) -> Inventory:
+    """Inventory of the host's GPUs and GPU fabric devices.
+
+    ``in_use`` maps BDF -> name of the libvirt domain holding it (see
+    ``libvirt_hostdev_holders``). ``nvml`` replaces pynvml (a test seam); NVML is asked only
+    when ``use_nvml`` and some GPU is on the nvidia driver. ``proc_root`` is where /proc is.
+    """
+    host = _Host(scan_pci())
+    holders = {canonical_bdf(bdf): name for bdf, name in (in_use or {}).items()}
+    gpu_functions = [f for f in host.functions.values() if _kind(f) == "gpu"]
+    fabric = [_fabric(f) for f in host.functions.values() if _kind(f) == "fabric"]
+
+    report = NvmlReport(False, {})
+    if use_nvml and any(gpu.driver == NVIDIA_DRIVER for gpu in gpu_functions):
+        report = read_nvml(nvml)
+    host_pids = _host_holders(gpu_functions, proc_root)
+
+    gpus = []
+    for index, function in enumerate(gpu_functions):
+        nvml_gpu = report.gpus.get(function.bdf) if function.driver == NVIDIA_DRIVER else None
+        pids = host_pids.get(function.bdf, set()) | set(nvml_gpu.pids if nvml_gpu else ())
+        companions = host.companions(function)
+        companion_bdfs = tuple(c.bdf for c in companions)
+        bars = parse_resource(function.resource)
+        memory_mib, memory_source = _memory(function, nvml_gpu)
+        reasons = host.reasons(function, companion_bdfs, pids, proc_root)
+        gpus.append(
+            Gpu(
+                bdf=function.bdf,
+                vendor=VENDORS[function.vendor_id],
+                vendor_id=function.vendor_id,
+                device_id=function.device_id,
+                class_id=function.class_id,
+                name=_name(function, nvml_gpu.name if nvml_gpu else None),
+                driver=function.driver,
+                numa_node=function.numa_node,
+                iommu_group=function.iommu_group,
+                group_members=tuple(m.bdf for m in host.group_members(function)),
+                companions=companion_bdfs,
+                companion_ids=tuple((c.vendor_id, c.device_id) for c in companions),
+                bars=bars,
+                bar_64bit_prefetchable_total=prefetchable_64bit_total(bars),
+                memory_mib=memory_mib,
+                memory_source=memory_source,
+                uuid=nvml_gpu.uuid if nvml_gpu else None,
+                bindable=not reasons,
+                reasons=tuple(reasons),
+                in_use_by=holders.get(function.bdf),
+                index=index,
+                pcie_switch=host.pcie_switch(function),
+                boot_vga=function.boot_vga,
+            )
+        )
+    return Inventory(
+        gpus=tuple(gpus),
+        fabric=tuple(fabric),
+        iommu=host.iommu,
+        pci_devices=len(host.functions),
+        nvml=report.answered,
+        notes=report.notes,
+    )

@@ -1,0 +1,102 @@
+"""Result types of host discovery: what a GPU, a fabric device and the host look like."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One memory BAR of a PCI function, from its sysfs ``resource`` file."""
+
+    index: int
+    size: int
+    is_64bit: bool
+    prefetchable: bool
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU as the inventory sees it. ``bdf`` is canonical: ``0000:bb:dd.f``, lowercase."""
+
+    bdf: str
+    vendor: str  # "nvidia" | "amd"
+    vendor_id: str  # "0x10de"
+    device_id: str  # "0x2330"
+    class_id: str  # "0x030200"
+    name: str | None
+    driver: str | None
+    numa_node: int | None
+    iommu_group: int | None
+    group_members: tuple[str, ...]
+    companions: tuple[str, ...]
+    # (vendor_id, device_id) of each companion, in the order of ``companions``
+    companion_ids: tuple[tuple[str, str], ...]
+    bars: tuple[Bar, ...]
+    bar_64bit_prefetchable_total: int
+    memory_mib: int | None
+    memory_source: str  # "nvml" | "pci-id" | "unknown"
+    uuid: str | None
+    bindable: bool
+    reasons: tuple[str, ...]
+    in_use_by: str | None
+    index: int  # position in the inventory, sorted by BDF
+    pcie_switch: str | None = None  # BDF of the upstream switch port above the GPU, if any
+    boot_vga: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["group_members"] = list(self.group_members)
+        data["companions"] = list(self.companions)
+        data["companion_ids"] = [list(pair) for pair in self.companion_ids]
+        data["bars"] = [asdict(bar) for bar in self.bars]
+        data["reasons"] = list(self.reasons)
+        return data
+
+
+@dataclass(frozen=True)
+class FabricDevice:
+    """A GPU fabric device (an NVIDIA NVSwitch): listed, never passed as a GPU."""
+
+    bdf: str
+    vendor: str
+    vendor_id: str
+    device_id: str
+    class_id: str
+    name: str | None
+    driver: str | None
+    numa_node: int | None
+    iommu_group: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    gpus: tuple[Gpu, ...]
+    fabric: tuple[FabricDevice, ...]
+    iommu: bool
+    pci_devices: int
+    nvml: bool  # whether NVML answered
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpus": [gpu.to_dict() for gpu in self.gpus],
+            "fabric": [dev.to_dict() for dev in self.fabric],
+            "host": {
+                "iommu": self.iommu,
+                "pci_devices": self.pci_devices,
+                "gpus": len(self.gpus),
+                "bindable": sum(1 for gpu in self.gpus if gpu.bindable),
+                "free": sum(1 for gpu in self.gpus if gpu.bindable and gpu.in_use_by is None),
+                "fabric": len(self.fabric),
+                "nvml": self.nvml,
+                "notes": list(self.notes),
+            },
+        }
+
+    def by_bdf(self, bdf: str) -> Gpu | None:
+        return next((gpu for gpu in self.gpus if gpu.bdf == bdf), None)

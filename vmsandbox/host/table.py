@@ -1,0 +1,106 @@
+"""The inventory as a fixed-width text table, for ``vmsandbox gpus``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .model import Inventory
+
+GPU_HEADER = (
+    "#",
+    "BDF",
+    "VENDOR",
+    "NAME",
+    "MEMORY",
+    "NUMA",
+    "GROUP",
+    "DRIVER",
+    "BINDABLE",
+    "IN USE BY",
+)
+FABRIC_HEADER = ("BDF", "VENDOR", "NAME", "NUMA", "GROUP", "DRIVER")
+
+
+NAME_WIDTH = 40
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _name(name: str | None) -> str:
+    if name is None:
+        return "-"
+    return name if len(name) <= NAME_WIDTH else name[: NAME_WIDTH - 3] + "..."
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def _grid(header: Sequence[str], rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns, each as wide as its widest cell, two spaces apart."""
+    widths = [max(len(row[col]) for row in [tuple(header), *rows]) for col in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [tuple(header), *rows]
+    ]
+
+
+def _summary(inv: Inventory) -> str:
+    host = inv.to_dict()["host"]
+    return (
+        f"{_count(host['gpus'], 'GPU')} ({host['bindable']} bindable, {host['free']} free), "
+        f"{_count(host['fabric'], 'fabric device')}, "
+        f"{_count(host['pci_devices'], 'PCI device')} scanned; "
+        f"IOMMU {'on' if inv.iommu else 'off'}; NVML {'used' if inv.nvml else 'not used'}"
+    )
+
+
+def render_table(inv: Inventory) -> str:
+    """The GPUs, why any cannot be bound, the fabric devices and a summary line."""
+    lines: list[str] = []
+    if not inv.gpus:
+        lines.append(
+            f"no GPUs found on this host ({_count(inv.pci_devices, 'PCI device')} scanned; "
+            f"IOMMU {'on' if inv.iommu else 'off'})"
+        )
+    else:
+        rows = [
+            (
+                str(gpu.index),
+                gpu.bdf,
+                gpu.vendor,
+                _name(gpu.name),
+                "-" if gpu.memory_mib is None else f"{gpu.memory_mib} MiB",
+                _cell(gpu.numa_node),
+                _cell(gpu.iommu_group),
+                _cell(gpu.driver),
+                "yes" if gpu.bindable else "no",
+                _cell(gpu.in_use_by),
+            )
+            for gpu in inv.gpus
+        ]
+        lines += _grid(GPU_HEADER, rows)
+        blocked = [gpu for gpu in inv.gpus if not gpu.bindable]
+        if blocked:
+            lines += ["", "not bindable:"]
+            for gpu in blocked:
+                lines += [f"  {gpu.index} {gpu.bdf}: {reason}" for reason in gpu.reasons]
+    if inv.fabric:
+        rows = [
+            (
+                dev.bdf,
+                dev.vendor,
+                _name(dev.name),
+                _cell(dev.numa_node),
+                _cell(dev.iommu_group),
+                _cell(dev.driver),
+            )
+            for dev in inv.fabric
+        ]
+        lines += ["", "fabric (not passed to guests):", *_grid(FABRIC_HEADER, rows)]
+    if inv.gpus:
+        lines += ["", _summary(inv)]
+    lines += [f"note: {note}" for note in inv.notes]
+    return "\n".join(lines) + "\n"

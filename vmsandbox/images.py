@@ -1,0 +1,345 @@
+"""Guest base images: build from recipes under ``images/``, import, list, resolve.
+
+Layout under the image directory (one folder per image name, one per build)::
+
+    <images>/<name>/<id>/disk.qcow2      the base disk (read-only once published)
+    <images>/<name>/<id>/vmlinuz         kernel and initrd for direct kernel boot (recipes only)
+    <images>/<name>/<id>/initrd.img
+    <images>/<name>/<id>/meta.json
+    <images>/<name>/current -> <id>      the build new sandboxes use
+
+``id`` is the first 16 hex digits of the recipe's content hash (or of an imported file's hash), so
+a rebuild happens only when the recipe changes, and overlays of running sandboxes keep their old
+backing file when it does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vmsandbox.apt_sources import mirror_lines
+from vmsandbox.errors import FailedPrecondition, InvalidArgument, NotFound, VmSandboxError
+from vmsandbox.progress import Progress, silent
+from vmsandbox.spec import validate_image_name
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "images"
+# Bump when the build steps below change what a recipe produces.
+BUILDER_VERSION = "1"
+KERNEL_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 biosdevname=0"
+
+
+@dataclass(frozen=True)
+class BaseImage:
+    """A built or imported image that sandboxes can be created from."""
+
+    name: str
+    id: str
+    path: Path  # the build folder
+    meta: dict[str, Any]
+
+    @property
+    def disk(self) -> Path:
+        return self.path / "disk.qcow2"
+
+    @property
+    def kernel(self) -> Path | None:
+        return self.path / "vmlinuz" if self.meta.get("kernel") else None
+
+    @property
+    def initrd(self) -> Path | None:
+        return self.path / "initrd.img" if self.meta.get("initrd") else None
+
+    @property
+    def cmdline(self) -> str:
+        return str(self.meta.get("cmdline", KERNEL_CMDLINE))
+
+    @property
+    def virtual_size(self) -> int:
+        return int(self.meta.get("virtual_size", 0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "id": self.id, "path": str(self.path), **self.meta}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    path: Path
+    data: dict[str, Any]
+    scripts: tuple[Path, ...]
+
+    @property
+    def hash(self) -> str:
+        digest = hashlib.sha256(f"vmsandbox-image-builder {BUILDER_VERSION}\n".encode())
+        for part in (self.path / "recipe.toml", *self.scripts):
+            digest.update(part.name.encode() + b"\0" + part.read_bytes() + b"\0")
+        return digest.hexdigest()
+
+
+def recipe_names(recipe_dir: Path = RECIPE_DIR) -> list[str]:
+    return sorted(p.parent.name for p in recipe_dir.glob("*/recipe.toml"))
+
+
+def load_recipe(name: str, recipe_dir: Path = RECIPE_DIR) -> Recipe:
+    validate_image_name(name)
+    path = recipe_dir / name
+    if not (path / "recipe.toml").is_file():
+        raise NotFound(
+            f"no image recipe {name!r}; recipes: {', '.join(recipe_names(recipe_dir)) or 'none'}"
+        )
+    data = tomllib.loads((path / "recipe.toml").read_text())
+    scripts = tuple((recipe_dir / script).resolve() for script in data.get("customize", []))
+    for script in scripts:
+        if recipe_dir.resolve() not in script.parents or not script.is_file():
+            raise FailedPrecondition(f"recipe {name!r} names a missing script {script}")
+    return Recipe(name=name, path=path, data=data, scripts=scripts)
+
+
+class ImageStore:
+    """The image directory: what is built, what sandboxes boot from."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def list(self) -> list[BaseImage]:
+        """The current build of every image name."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in sorted(self.root.iterdir()):
+            with contextlib.suppress(NotFound):
+                found.append(self.get(entry.name))
+        return found
+
+    def get(self, name: str) -> BaseImage:
+        validate_image_name(name)
+        current = self.root / name / "current"
+        meta_file = current / "meta.json"
+        if not meta_file.is_file():
+            built = ", ".join(image.name for image in self.list()) if self.root.is_dir() else ""
+            hint = (
+                f"build it with 'vmsandbox images build {name}'"
+                if name in recipe_names()
+                else "import one with 'vmsandbox images import PATH NAME'"
+            )
+            raise NotFound(
+                f"image {name!r} is not built in {self.root} (built: {built or 'none'}); {hint}",
+                details={"field": "image", "value": name},
+            )
+        path = current.resolve()
+        return BaseImage(name=name, id=path.name, path=path, meta=json.loads(meta_file.read_text()))
+
+    def is_current(self, name: str, build_id: str) -> bool:
+        current = self.root / name / "current"
+        return current.is_symlink() and os.readlink(current) == build_id
+
+    def build(self, name: str, *, force: bool = False, progress: Progress = silent) -> BaseImage:
+        """Build recipe ``name`` unless a build of the same recipe hash is already current."""
+        recipe = load_recipe(name)
+        build_id = recipe.hash[:16]
+        with self._image_lock(name):
+            if not force and self.is_current(name, build_id):
+                progress(f"image {name} is up to date ({build_id})")
+                return self.get(name)
+            _require_tools("mmdebstrap", "mkfs.ext4", "qemu-img")
+            return self._publish(name, build_id, lambda tmp: _build_recipe(recipe, tmp, progress))
+
+    def import_image(self, source: Path, name: str, *, progress: Progress = silent) -> BaseImage:
+        """Copy a qcow2 or raw disk image in as ``name`` (booted by firmware, not by kernel)."""
+        validate_image_name(name)
+        if not source.is_file():
+            raise InvalidArgument(f"image file {str(source)!r} does not exist or is not a file")
+        info = _qemu_img_info(source)
+        if info.get("format") not in ("qcow2", "raw"):
+            raise InvalidArgument(
+                f"image file {str(source)!r} has format {info.get('format')!r}; allowed: qcow2, raw"
+            )
+        if info.get("backing-filename"):
+            raise InvalidArgument(
+                f"image file {str(source)!r} has a backing file; flatten it first"
+            )
+        progress(f"hashing {source}")
+        build_id = _file_hash(source)[:16]
+        with self._image_lock(name):
+            if self.is_current(name, build_id):
+                progress(f"image {name} already holds this file ({build_id})")
+                return self.get(name)
+
+            def convert(tmp: Path) -> dict[str, Any]:
+                progress(f"converting {source} to qcow2")
+                _run(["qemu-img", "convert", "-O", "qcow2", str(source), str(tmp / "disk.qcow2")])
+                return {"kind": "import", "source": str(source)}
+
+            return self._publish(name, build_id, convert)
+
+    def _publish(self, name: str, build_id: str, make: Any) -> BaseImage:
+        folder = self.root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o755)
+        tmp = folder / f".build-{build_id}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o755)
+        started = time.monotonic()
+        try:
+            meta = make(tmp)
+            info = _qemu_img_info(tmp / "disk.qcow2")
+            meta.update(
+                name=name,
+                id=build_id,
+                virtual_size=int(info["virtual-size"]),
+                file_size=(tmp / "disk.qcow2").stat().st_size,
+                built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                build_seconds=round(time.monotonic() - started, 1),
+            )
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            for child in tmp.iterdir():
+                os.chmod(child, 0o644)
+            final = folder / build_id
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            link = folder / f".current-{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                link.unlink()
+            link.symlink_to(build_id)
+            os.replace(link, folder / "current")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self.get(name)
+
+    @contextlib.contextmanager
+    def _image_lock(self, name: str) -> Iterator[None]:
+        (self.root / name).mkdir(parents=True, exist_ok=True)
+        with open(self.root / name / ".lock", "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+
+def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, Any]:
+    data = recipe.data
+    suite = str(data.get("suite", "bookworm"))
+    components = [str(c) for c in data.get("components", ["main"])]
+    packages = [str(p) for p in data.get("packages", [])]
+    rootdir = tmp / "root"
+    hooks = [f'--customize-hook={shlex.quote(str(s))} "$1"' for s in recipe.scripts]
+    command = [
+        "mmdebstrap",
+        "--mode=root",
+        "--variant=apt",
+        "--format=directory",
+        f"--components={','.join(components)}",
+        f"--include={','.join(packages)}",
+        '--aptopt=APT::Install-Recommends "false"',
+        "--dpkgopt=path-exclude=/usr/share/doc/*",
+        "--dpkgopt=path-exclude=/usr/share/man/*",
+        "--dpkgopt=path-exclude=/usr/share/locale/*",
+        "--dpkgopt=path-include=/usr/share/locale/locale.alias",
+        *hooks,
+        suite,
+        str(rootdir),
+        *mirror_lines(suite, components),
+    ]
+    progress(f"mmdebstrap {suite}: {len(packages)} packages ({', '.join(components)})")
+    _run_streaming(command, progress, prefix="mmdebstrap: ")
+    boot = rootdir / "boot"
+    kernels = sorted(boot.glob("vmlinuz-*"))
+    initrds = sorted(boot.glob("initrd.img-*"))
+    if not kernels or not initrds:
+        raise FailedPrecondition(f"recipe {recipe.name!r} produced no kernel or initrd in /boot")
+    kernel_version = kernels[-1].name.removeprefix("vmlinuz-")
+    shutil.copyfile(kernels[-1], tmp / "vmlinuz")
+    shutil.copyfile(initrds[-1], tmp / "initrd.img")
+    used = _tree_size(rootdir)
+    size_mib = (used * 12 // 10) // 2**20 + int(data.get("headroom_mib", 512))
+    progress(f"making ext4 filesystem ({size_mib} MiB, {used // 2**20} MiB of files)")
+    raw = tmp / "disk.raw"
+    _run(["mkfs.ext4", "-q", "-F", "-L", "root", "-d", str(rootdir), str(raw), f"{size_mib}M"])
+    shutil.rmtree(rootdir)
+    progress("converting to qcow2")
+    _run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(tmp / "disk.qcow2")])
+    raw.unlink()
+    return {
+        "kind": "recipe",
+        "recipe_hash": recipe.hash,
+        "description": data.get("description", ""),
+        "kernel": "vmlinuz",
+        "initrd": "initrd.img",
+        "kernel_version": kernel_version,
+        "cmdline": KERNEL_CMDLINE,
+        "packages": packages,
+    }
+
+
+def _tree_size(root: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for file in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, file)).st_size
+    return total
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(4 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _qemu_img_info(path: Path) -> dict[str, Any]:
+    out = _run(["qemu-img", "info", "--output=json", str(path)])
+    return json.loads(out)
+
+
+def _require_tools(*tools: str) -> None:
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        raise FailedPrecondition(
+            f"missing tools for image builds: {', '.join(missing)}; run the setup (make setup)"
+        )
+
+
+def _run(command: list[str]) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise FailedPrecondition(f"cannot run {command[0]}: {exc}") from exc
+    if done.returncode != 0:
+        raise VmSandboxError(
+            f"{command[0]} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}"
+        )
+    return done.stdout
+
+
+def _run_streaming(command: list[str], progress: Progress, prefix: str) -> None:
+    """Run ``command``, turning each of its output lines into a progress message."""
+    tail: list[str] = []
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip()
+            if not line:
+                continue
+            tail = [*tail[-40:], line]
+            if line.startswith(("I: ", "E: ", "W: ")):
+                progress(prefix + line[3:])
+    if proc.returncode != 0:
+        raise VmSandboxError(
+            f"{command[0]} failed (exit {proc.returncode}):\n" + "\n".join(tail[-25:])
+        )
