@@ -70,7 +70,29 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--virt-type", choices=("auto", "kvm", "qemu"), default="auto")
     create.add_argument("--timeout", type=float, help="seconds to wait for SSH")
     create.add_argument("--no-wait", action="store_true", help="return once the domain runs")
+    create.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="choose GPUs and print the domain XML (stdout) and GPUs (stderr); define nothing",
+    )
     create.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    gpu = create.add_argument_group("GPUs (OpenShell driver flags)")
+    gpu.add_argument("--gpu", nargs="?", const="1", metavar="N", help="one free GPU, or N")
+    gpu.add_argument("--gpu-count", type=_positive, metavar="N", help="exactly N GPUs")
+    gpu.add_argument(
+        "--gpu-device",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="a GPU by PCI address, NVIDIA UUID or inventory index (repeatable)",
+    )
+    gpu.add_argument("--gpu-all", action="store_true", help="every free GPU")
+    gpu.add_argument("--gpu-vendor", choices=("nvidia", "amd"))
+    gpu.add_argument("--gpu-model", metavar="MODEL", help="e.g. H100 (whole words)")
+    gpu.add_argument("--gpu-memory", metavar="SIZE", help="minimum memory per GPU, e.g. 80Gi")
+
+    gpus = sub.add_parser("gpus", help="list this host's GPUs and whether they can be passed")
+    gpus.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
 
     sub.add_parser("list", help="list sandboxes").add_argument(
         "--json", action="store_true", help=argparse.SUPPRESS
@@ -159,8 +181,18 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _cmd_create(args: argparse.Namespace) -> int:
+    from vmsandbox.compat.cliflags import gpu_request_from_flags, parse_gpu_flag_value
     from vmsandbox.spec import SandboxSpec
 
+    gpu_request = gpu_request_from_flags(
+        gpu=None if args.gpu is None else parse_gpu_flag_value(args.gpu),
+        gpu_count=args.gpu_count,
+        gpu_devices=args.gpu_device,
+        gpu_all=args.gpu_all,
+        gpu_vendor=args.gpu_vendor,
+        gpu_model=args.gpu_model,
+        gpu_memory=args.gpu_memory,
+    )
     spec = SandboxSpec(
         name=args.name,
         image=args.image,
@@ -168,7 +200,18 @@ def _cmd_create(args: argparse.Namespace) -> int:
         memory_mib=args.memory,
         disk_gib=args.disk,
         virt_type=args.virt_type,
+        gpu=gpu_request,
     )
+    if args.dry_run:
+        with _manager(progress=False) as manager:
+            xml, chosen = manager.dry_run(spec)
+        for gpu in chosen:
+            print(
+                f"gpu: {gpu.bdf} {gpu.name or gpu.device_id} (NUMA {gpu.numa_node})",
+                file=sys.stderr,
+            )
+        sys.stdout.write(xml)
+        return 0
     with _manager() as manager:
         sandbox = manager.create(spec, wait=not args.no_wait, timeout=args.timeout)
     _emit(sandbox.to_dict(), _describe(sandbox.to_dict()))
@@ -242,6 +285,18 @@ def _cmd_destroy(args: argparse.Namespace) -> int:
                 print(f"destroyed {name}")
     if _JSON:
         print(json.dumps({"destroyed": args.names}))
+    return 0
+
+
+def _cmd_gpus(_args: argparse.Namespace) -> int:
+    from vmsandbox.host import render_table
+
+    with _manager(progress=False) as manager:
+        inventory = manager.gpus()
+    if _JSON:
+        print(json.dumps(inventory.to_dict(), indent=2))
+    else:
+        sys.stdout.write(render_table(inventory))
     return 0
 
 
@@ -324,6 +379,7 @@ _HANDLERS = {
     "ssh": _cmd_ssh,
     "destroy": _cmd_destroy,
     "reconcile": _cmd_reconcile,
+    "gpus": _cmd_gpus,
     "images": _cmd_images,
 }
 

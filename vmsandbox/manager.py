@@ -9,17 +9,19 @@ persistent domain named ``vmsbx-<name>`` whose metadata holds its record.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import libvirt
 
@@ -35,12 +37,15 @@ from vmsandbox.errors import (
     VmSandboxError,
 )
 from vmsandbox.hypervisor import is_alive, libvirt_errors, open_connection
-from vmsandbox.images import BaseImage, ImageStore
+from vmsandbox.images import KERNEL_CMDLINE, BaseImage, ImageStore
 from vmsandbox.keys import SandboxKeys
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
 from vmsandbox.seed import DHCP_NET_CONFIG, USER_NET_CONFIG, write_seed
 from vmsandbox.spec import SandboxSpec, generate_name, validate_name
+
+if TYPE_CHECKING:  # importing vmsandbox.host loads pyudev: only GPU paths pay for it
+    from vmsandbox.host.model import Gpu, Inventory
 
 STATE_CREATING = "creating"
 STATE_READY = "ready"
@@ -243,33 +248,29 @@ class SandboxManager:
         """Create and start a sandbox; with ``wait``, return once SSH accepts its key.
 
         Any failure removes everything this call made (domain, overlay, seed, keys) before the
-        error propagates.
+        error propagates, which also frees the GPUs it had chosen.
         """
         say = progress or self.progress
         self.check_caps(spec)
         image = self.images.get(spec.image)
-        if spec.disk_gib * 2**30 < image.virtual_size:
-            raise InvalidArgument(
-                f"disk_gib {spec.disk_gib} is smaller than image {image.name!r} "
-                f"({image.virtual_size / 2**30:.1f} GiB)",
-                details={"field": "disk_gib", "value": spec.disk_gib},
-            )
+        self._check_disk(spec, image)
         name = spec.name or generate_name()
-        virt_type = virt.resolve(
-            spec.virt_type if spec.virt_type != "auto" else self.config.virt_type,
-            cache=self.config.state_dir / "virt-probe.json",
-            kernel=image.kernel,
-        )
+        virt_type = self._virt_type(spec, image, say)
         paths = SandboxPaths.of(self.config, name)
         dom: libvirt.virDomain | None = None
         reserved = False
         try:
             with self._locked():
-                dom = self._define(spec, name, image, virt_type, paths, say)
+                _checkpoint("locked")
+                if self._lookup(name) is not None:
+                    raise AlreadyExists(f"sandbox {name!r} already exists", details={"name": name})
                 reserved = True
+                dom = self._define(spec, name, image, virt_type, paths, say)
+                _checkpoint("defined")
             say(f"starting {dom.name()} ({virt_type})")
             with libvirt_errors(f"starting sandbox {name!r}"):
                 dom.create()
+            _checkpoint("started")
             sandbox = self._sandbox(dom, *self._read(dom))
             if wait:
                 sandbox.boot_seconds = self._wait_ssh(dom, sandbox, paths, timeout, say)
@@ -282,6 +283,59 @@ class SandboxManager:
                 self._remove(name, dom, paths)
             raise
 
+    def dry_run(self, spec: SandboxSpec) -> tuple[str, list[Gpu]]:
+        """The domain XML and GPUs that ``create`` would use now; defines and writes nothing.
+
+        Needs no built image: an image that is not built yet is shown at the path it will have.
+        """
+        self.check_caps(spec)
+        name = spec.name or generate_name()
+        try:
+            image: BaseImage | None = self.images.get(spec.image)
+        except NotFound:
+            image = None
+        virt_type = self.config.virt_type if spec.virt_type == "auto" else spec.virt_type
+        if virt_type == "auto":
+            virt_type = virt.cached(cache=self.config.state_dir / "virt-probe.json") or "qemu"
+        with self._locked():
+            gpus = self._choose_gpus(spec)
+            port = self._free_port() if self.config.network == "user" else None
+        plan = self._plan(
+            spec, name, image, virt_type, SandboxPaths.of(self.config, name), port, gpus, record={}
+        )
+        return domain_xml.build_domain_xml(plan), gpus
+
+    def _check_disk(self, spec: SandboxSpec, image: BaseImage) -> None:
+        if spec.disk_gib * 2**30 < image.virtual_size:
+            raise InvalidArgument(
+                f"disk_gib {spec.disk_gib} is smaller than image {image.name!r} "
+                f"({image.virtual_size / 2**30:.1f} GiB)",
+                details={"field": "disk_gib", "value": spec.disk_gib},
+            )
+
+    def _virt_type(self, spec: SandboxSpec, image: BaseImage, say: Progress) -> str:
+        requested = spec.virt_type if spec.virt_type != "auto" else self.config.virt_type
+        cache = self.config.state_dir / "virt-probe.json"
+        if requested == "auto" and virt.cached(cache=cache) is None:
+            say("probing whether KVM runs guests on this host (once, then cached)")
+        return virt.resolve(requested, cache=cache, kernel=image.kernel)
+
+    def _choose_gpus(self, spec: SandboxSpec) -> list[Gpu]:
+        """Under the host lock: the GPUs for ``spec``, free on every domain of the connection."""
+        if spec.gpu is None:
+            return []
+        from vmsandbox import allocator
+
+        return allocator.select(spec.gpu, self.gpus(), max_gpus=self.config.max_gpus)
+
+    def gpus(self) -> Inventory:
+        """The host's GPU inventory, with ``in_use_by`` read from all libvirt domains."""
+        from vmsandbox.host import discover, libvirt_hostdev_holders
+
+        with libvirt_errors("reading which domains hold PCI devices"):
+            holders = libvirt_hostdev_holders(self.conn)
+        return discover(in_use=holders)
+
     def _define(
         self,
         spec: SandboxSpec,
@@ -291,14 +345,16 @@ class SandboxManager:
         paths: SandboxPaths,
         say: Progress,
     ) -> libvirt.virDomain:
-        """Under the host lock: reserve the name, make the files, define the domain."""
-        if self._lookup(name) is not None:
-            raise AlreadyExists(f"sandbox {name!r} already exists", details={"name": name})
+        """Under the host lock, with the name free: choose GPUs, make the files, define."""
+        gpus = self._choose_gpus(spec)
+        if gpus:
+            say("GPUs: " + ", ".join(f"{gpu.bdf} ({gpu.name or gpu.device_id})" for gpu in gpus))
         paths.remove()  # files without a domain are leftovers of a killed create
         alias = domain_xml.DOMAIN_PREFIX + name
         keys, client, host = SandboxKeys.create(paths.keys, alias)
         say(f"creating overlay on {image.name} ({image.id}), {spec.disk_gib} GiB")
         _make_overlay(image.disk, paths.overlay, spec.disk_gib)
+        _checkpoint("overlay")
         write_seed(
             paths.seed,
             instance_id=str(uuid.uuid4()),
@@ -310,24 +366,48 @@ class SandboxManager:
         )
         port = self._free_port() if self.config.network == "user" else None
         record = {
-            "name": name,
-            "image": image.name,
-            "image_id": image.id,
-            "cpus": spec.cpus,
-            "memory_mib": spec.memory_mib,
-            "disk_gib": spec.disk_gib,
-            "virt_type": virt_type,
-            "network": self.config.network,
-            "ssh": {"host": "127.0.0.1", "port": port, "user": self.config.ssh_user},
             "keys": str(keys.folder),
             "host_key_alias": alias,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "creator": _process_identity(),
+        }
+        plan = self._plan(spec, name, image, virt_type, paths, port, gpus, record)
+        xml = domain_xml.build_domain_xml(plan)
+        with libvirt_errors(f"defining sandbox {name!r}"):
+            return self.conn.defineXML(xml)
+
+    def _plan(
+        self,
+        spec: SandboxSpec,
+        name: str,
+        image: BaseImage | None,
+        virt_type: str,
+        paths: SandboxPaths,
+        port: int | None,
+        gpus: list[Gpu],
+        record: dict[str, Any],
+    ) -> domain_xml.DomainPlan:
+        """The DomainPlan of a sandbox (``image`` None: where an unbuilt image will be)."""
+        cfg = self.config
+        image_dir = image.path if image else cfg.images / spec.image / "current"
+        kernel = image.kernel if image else image_dir / "vmlinuz"
+        record = {
+            **record,
+            "name": name,
+            "image": spec.image,
+            "image_id": image.id if image else None,
+            "cpus": spec.cpus,
+            "memory_mib": spec.memory_mib,
+            "disk_gib": spec.disk_gib,
+            "virt_type": virt_type,
+            "network": cfg.network,
+            "ssh": {"host": "127.0.0.1", "port": port, "user": cfg.ssh_user},
             "labels": dict(spec.labels),
-            "gpus": [],
+            "gpus": [_gpu_record(gpu) for gpu in gpus],
+            "state": STATE_CREATING,
         }
         plan = domain_xml.DomainPlan(
-            domain_name=alias,
+            domain_name=domain_xml.DOMAIN_PREFIX + name,
             uuid=str(uuid.uuid4()),
             virt_type=virt_type,
             cpus=spec.cpus,
@@ -335,17 +415,30 @@ class SandboxManager:
             overlay=paths.overlay,
             seed=paths.seed,
             console_log=paths.console_log,
-            record={**record, "state": STATE_CREATING},
-            kernel=image.kernel,
-            initrd=image.initrd,
-            cmdline=image.cmdline,
-            network=self.config.network,
+            record=record,
+            kernel=kernel,
+            initrd=(image.initrd if image else image_dir / "initrd.img"),
+            cmdline=image.cmdline if image else KERNEL_CMDLINE,
+            network=cfg.network,
             ssh_port=port,
-            guest_outbound=self.config.guest_outbound,
+            guest_outbound=cfg.guest_outbound,
         )
-        xml = domain_xml.build_domain_xml(plan)
-        with libvirt_errors(f"defining sandbox {name!r}"):
-            return self.conn.defineXML(xml)
+        if gpus:
+            from vmsandbox import passthrough
+
+            plan.uefi = True
+            plan.nvram = paths.nvram
+            plan.ovmf_code = cfg.ovmf_code
+            plan.ovmf_vars = cfg.ovmf_vars
+            extra = passthrough.plan(
+                gpus,
+                host_cpus=passthrough.host_cpus_by_node(),
+                vcpus=spec.cpus,
+                memory_mib=spec.memory_mib,
+                pin=cfg.numa_pinning,
+            )
+            plan.extra.append(functools.partial(passthrough.apply, plan=extra))
+        return plan
 
     def _free_port(self) -> int:
         """A loopback port no sandbox of ours forwards and nothing listens on right now."""
@@ -376,6 +469,7 @@ class SandboxManager:
             except libvirt.libvirtError:
                 return False
 
+        _checkpoint("waiting")
         try:
             waited = guest.wait_ready(
                 endpoint,
@@ -559,6 +653,15 @@ class SandboxManager:
         self._remove(name, found[0], paths)
 
     def _remove(self, name: str, dom: libvirt.virDomain | None, paths: SandboxPaths) -> None:
+        """Stop the domain, then under the host lock undefine it and delete its files, so a
+        create of the same name in another process never sees a half-removed sandbox."""
+        if dom is not None:
+            with contextlib.suppress(libvirt.libvirtError):
+                dom.destroy()
+        with self._locked():
+            self._remove_locked(name, dom, paths)
+
+    def _remove_locked(self, name: str, dom: libvirt.virDomain | None, paths: SandboxPaths) -> None:
         if dom is not None:
             with contextlib.suppress(libvirt.libvirtError):
                 dom.destroy()
@@ -591,7 +694,7 @@ class SandboxManager:
                 name = rec.get("name", "")
                 if state == STATE_CREATING and not _process_alive(rec.get("creator")):
                     try:
-                        self._remove(name, dom, SandboxPaths.of(self.config, name))
+                        self._remove_locked(name, dom, SandboxPaths.of(self.config, name))
                         removed.append(name)
                     except VmSandboxError as exc:
                         problems.append(f"{name}: {exc.message}")
@@ -599,6 +702,29 @@ class SandboxManager:
                 SandboxPaths.of(self.config, name).remove()
                 removed.append(name)
         return {"removed": sorted(set(removed)), "problems": problems}
+
+
+def _checkpoint(stage: str) -> None:
+    """Crash-test seam: with ``VMSANDBOX_CRASH_AT=<stage>`` the create announces the stage on
+    stderr and waits there to be killed (stages: locked, overlay, defined, started, waiting)."""
+    if os.environ.get("VMSANDBOX_CRASH_AT") == stage:
+        print(f"vmsandbox-checkpoint {stage}", file=sys.stderr, flush=True)
+        time.sleep(3600)
+
+
+def _gpu_record(gpu: Gpu) -> dict[str, Any]:
+    """What a sandbox remembers of each of its GPUs (enough to verify them in the guest)."""
+    return {
+        "bdf": gpu.bdf,
+        "vendor": gpu.vendor,
+        "vendor_id": gpu.vendor_id,
+        "device_id": gpu.device_id,
+        "name": gpu.name,
+        "memory_mib": gpu.memory_mib,
+        "numa_node": gpu.numa_node,
+        "companions": list(gpu.companions),
+        "companion_ids": [list(pair) for pair in gpu.companion_ids],
+    }
 
 
 def _make_overlay(base: Path, overlay: Path, disk_gib: int) -> None:

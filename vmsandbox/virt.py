@@ -48,17 +48,25 @@ def host_key() -> str:
     return f"{os.uname().release}|{qemu_id}|{kvm_id}"
 
 
+def cached(*, cache: Path) -> str | None:
+    """The virt type an earlier probe chose on this host, or None if none is cached."""
+    try:
+        data = json.loads(cache.read_text())
+        if data.get("host") == host_key():
+            return "kvm" if data["kvm"] else "qemu"
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    return None
+
+
 def kvm_works(*, cache: Path, kernel: Path | None) -> bool:
     """Whether a KVM guest gets as far as printing its kernel banner (cached per host)."""
     if not os.access("/dev/kvm", os.R_OK | os.W_OK) or shutil.which(QEMU) is None:
         return False
+    known = cached(cache=cache)
+    if known is not None:
+        return known == "kvm"
     key = host_key()
-    try:
-        cached = json.loads(cache.read_text())
-        if cached.get("host") == key:
-            return bool(cached["kvm"])
-    except (OSError, ValueError, KeyError):
-        pass
     if kernel is None:
         return False  # nothing to probe with; TCG is always safe
     works = _probe(kernel)

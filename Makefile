@@ -1,0 +1,23 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both run the setup first
+# (idempotent: packages, libvirtd, virtualenv, guest images).
+.PHONY: setup demo test lint bench
+
+setup:
+	bash setup/setup.sh
+
+demo: setup
+	bash setup/demo.sh
+
+# The test run needs both guest images: the NVIDIA one is booted by its own e2e test.
+test:
+	VMSANDBOX_IMAGES="minimal nvidia" bash setup/setup.sh
+	.venv/bin/ruff check vmsandbox tests bench
+	.venv/bin/ruff format --check vmsandbox tests bench
+	.venv/bin/pytest -p no:cacheprovider -ra tests
+
+lint:
+	.venv/bin/ruff check vmsandbox tests bench
+	.venv/bin/ruff format --check vmsandbox tests bench
+
+bench: setup
+	.venv/bin/python bench/run_all.py

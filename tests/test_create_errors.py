@@ -1,0 +1,95 @@
+"""Bad create requests: each gives its error code, from the API and the CLI, and leaves nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import cli, leftovers
+
+from vmsandbox.config import Config
+from vmsandbox.errors import AlreadyExists, InvalidArgument, NotFound
+from vmsandbox.manager import Sandbox, SandboxManager
+from vmsandbox.spec import SandboxSpec
+
+
+def test_unknown_image_is_not_found_and_leaves_nothing(manager: SandboxManager, config: Config):
+    with pytest.raises(NotFound, match="image 'no-such-image' is not built"):
+        manager.create(SandboxSpec(name="t-unknown-image", image="no-such-image"))
+    assert leftovers(config, "t-unknown-image") == []
+
+
+@pytest.mark.parametrize(
+    "name", ["Upper", "-dash", "dash-", "a_b", "a" * 49, "a'/><devices>", "../../etc", "", "a b"]
+)
+def test_bad_names_are_invalid_argument(name: str):
+    with pytest.raises(InvalidArgument) as caught:
+        SandboxSpec(name=name)
+    assert caught.value.details["field"] == "name"
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (SandboxSpec(name="t-cap", cpus=9), "cpus"),
+        (SandboxSpec(name="t-cap", memory_mib=65537), "memory_mib"),
+        (SandboxSpec(name="t-cap", disk_gib=257), "disk_gib"),
+    ],
+)
+def test_over_cap_requests_are_rejected(
+    manager: SandboxManager, config: Config, spec: SandboxSpec, field: str
+):
+    with pytest.raises(InvalidArgument) as caught:
+        manager.create(spec)
+    assert caught.value.details["field"] == field
+    assert "cap" in caught.value.message
+    assert leftovers(config, "t-cap") == []
+
+
+@pytest.mark.e2e
+def test_duplicate_name_is_already_exists_and_keeps_the_original(
+    manager: SandboxManager, config: Config, booted: Sandbox
+):
+    before = sorted(leftovers(config, booted.name))
+    with pytest.raises(AlreadyExists):
+        manager.create(SandboxSpec(name=booted.name))
+    assert sorted(leftovers(config, booted.name)) == before
+    assert manager.exec(booted.name, "true").exit_status == 0
+
+
+def test_cli_errors_are_one_line_with_code_and_exit_status(config: Config):
+    done = cli("create", "Bad_Name", config=config)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: INVALID_ARGUMENT: name 'Bad_Name' is not valid")
+    assert "Traceback" not in done.stderr
+
+
+def test_cli_json_errors_are_objects(config: Config):
+    done = cli("--json", "create", "t-x", "--image", "nope", config=config)
+    assert done.returncode == 3
+    error = json.loads(done.stdout)["error"]
+    assert error["code"] == "NOT_FOUND"
+    assert leftovers(config, "t-x") == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["create", "--memory", "lots"], "--memory 'lots' is not a size"),
+        (["create", "--cpus", "0"], "'0' is not a positive integer"),
+        (["create", "--disk", "1.5G"], "--disk '1.5G' is not a size"),
+        (["show", "NOPE"], "name 'NOPE' is not valid"),
+        (["exec", "x"], "exec needs a command"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_cli_rejects_bad_arguments_without_traceback(config: Config, args, message):
+    done = cli(*args, config=config)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_destroy_of_a_missing_sandbox_is_not_found(manager: SandboxManager):
+    with pytest.raises(NotFound):
+        manager.destroy("t-never-existed")

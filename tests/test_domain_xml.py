@@ -1,0 +1,111 @@
+"""The domain XML builder: schema-valid, carries the spec, and injects nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lxml import etree
+
+from vmsandbox.domain import (
+    METADATA_NS,
+    DomainPlan,
+    build_domain_xml,
+    console_log_of,
+    metadata_xml,
+    read_metadata,
+)
+
+SCHEMA = etree.RelaxNG(etree.parse("/usr/share/libvirt/schemas/domain.rng"))
+
+
+def plan(**changes: object) -> DomainPlan:
+    base = {
+        "domain_name": "vmsbx-unit",
+        "uuid": "8a1e1c9e-2b8f-4a57-9d4e-4c3b9f1e0a11",
+        "virt_type": "qemu",
+        "cpus": 2,
+        "memory_mib": 2048,
+        "overlay": Path("/var/lib/vmsandbox/disks/unit.qcow2"),
+        "seed": Path("/var/lib/vmsandbox/disks/unit-seed.iso"),
+        "console_log": Path("/var/lib/vmsandbox/sandboxes/unit.console.log"),
+        "record": {"name": "unit", "state": "creating"},
+        "kernel": Path("/var/lib/vmsandbox/images/minimal/x/vmlinuz"),
+        "initrd": Path("/var/lib/vmsandbox/images/minimal/x/initrd.img"),
+        "cmdline": "root=/dev/vda rw console=ttyS0",
+        "ssh_port": 40022,
+    }
+    base.update(changes)
+    return DomainPlan(**base)  # type: ignore[arg-type]
+
+
+def parse(xml: str) -> etree._Element:
+    root = etree.fromstring(xml.encode())
+    SCHEMA.assertValid(root)
+    return root
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"virt_type": "kvm"},
+        {"kernel": None, "initrd": None, "cmdline": None},
+        {"network": "default", "ssh_port": None},
+        {"guest_outbound": True},
+        {
+            "uefi": True,
+            "nvram": Path("/var/lib/vmsandbox/disks/unit-vars.fd"),
+            "ovmf_code": Path("/usr/share/OVMF/OVMF_CODE_4M.fd"),
+            "ovmf_vars": Path("/usr/share/OVMF/OVMF_VARS_4M.fd"),
+        },
+    ],
+)
+def test_every_variant_is_schema_valid(changes: dict[str, object]):
+    parse(build_domain_xml(plan(**changes)))
+
+
+def test_sizes_disks_and_console_come_from_the_plan():
+    root = parse(build_domain_xml(plan()))
+    assert root.get("type") == "qemu"
+    assert root.findtext("name") == "vmsbx-unit"
+    assert root.find("memory").text == "2048" and root.find("memory").get("unit") == "MiB"
+    assert root.findtext("vcpu") == "2"
+    disks = root.findall("devices/disk")
+    assert [d.find("source").get("file") for d in disks] == [
+        "/var/lib/vmsandbox/disks/unit.qcow2",
+        "/var/lib/vmsandbox/disks/unit-seed.iso",
+    ]
+    assert disks[1].find("readonly") is not None
+    assert root.find("devices/memballoon").get("model") == "none"
+    assert console_log_of(etree.tostring(root).decode()).endswith("unit.console.log")
+
+
+def test_user_network_forwards_ssh_on_loopback_only_and_restricts_the_guest():
+    root = parse(build_domain_xml(plan()))
+    args = [a.get("value") for a in root.iter("{http://libvirt.org/schemas/domain/qemu/1.0}arg")]
+    assert args[1] == "user,id=vmsbxnet0,hostfwd=tcp:127.0.0.1:40022-:22,restrict=on"
+    assert args[3].startswith("virtio-net-pci,netdev=vmsbxnet0,bus=pcie.0")
+
+
+def test_kvm_gets_host_cpu_and_qemu_does_not():
+    assert parse(build_domain_xml(plan(virt_type="kvm"))).find("cpu").get("mode") == (
+        "host-passthrough"
+    )
+    assert parse(build_domain_xml(plan())).find("cpu") is None
+
+
+def test_metadata_round_trips_and_hostile_text_stays_text():
+    record = {"name": "unit", "labels": {"x": "a'/><devices><disk>&amp;</disk>"}}
+    xml = build_domain_xml(plan(record=record))
+    root = parse(xml)
+    assert len(root.findall("devices/disk")) == 2
+    assert read_metadata(xml) == (record, "creating")
+    element = etree.fromstring(metadata_xml(record, "ready").encode())
+    assert element.tag == "sandbox" and element.get("state") == "ready"
+
+
+def test_foreign_domains_have_no_record():
+    assert read_metadata("<domain type='kvm'><name>other</name></domain>") is None
+    bad = f"<domain><metadata><s:sandbox xmlns:s='{METADATA_NS}'>{{oops</s:sandbox></metadata>"
+    assert read_metadata(bad + "</domain>") is None
