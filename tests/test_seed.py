@@ -34,7 +34,7 @@ def test_seed_carries_label_keys_and_static_network(tmp_path: Path):
     assert config["users"][0]["name"] == "sandbox"
     assert config["users"][0]["ssh_authorized_keys"] == [client.public_openssh]
     assert config["ssh_keys"]["ed25519_private"] == host.private_openssh
-    assert config["ssh_genkeytypes"] == [] and config["ssh_pwauth"] is False
+    assert config["ssh_genkeytypes"] == [] and config["ssh_deletekeys"] is True
     assert json.loads(read_iso(iso, "meta-data")) == {
         "instance-id": "iid-1",
         "local-hostname": "box",

@@ -118,18 +118,14 @@ class ImageStore:
         """The current build of every image name."""
         if not self.root.is_dir():
             return []
-        found = []
-        for entry in sorted(self.root.iterdir()):
-            with contextlib.suppress(NotFound):
-                found.append(self.get(entry.name))
-        return found
+        loaded = (self._load(entry.name) for entry in sorted(self.root.iterdir()))
+        return [image for image in loaded if image is not None]
 
     def get(self, name: str) -> BaseImage:
         validate_image_name(name)
-        current = self.root / name / "current"
-        meta_file = current / "meta.json"
-        if not meta_file.is_file():
-            built = ", ".join(image.name for image in self.list()) if self.root.is_dir() else ""
+        image = self._load(name)
+        if image is None:
+            built = ", ".join(image.name for image in self.list())
             hint = (
                 f"build it with 'vmsandbox images build {name}'"
                 if name in recipe_names()
@@ -139,8 +135,16 @@ class ImageStore:
                 f"image {name!r} is not built in {self.root} (built: {built or 'none'}); {hint}",
                 details={"field": "image", "value": name},
             )
-        path = current.resolve()
-        return BaseImage(name=name, id=path.name, path=path, meta=json.loads(meta_file.read_text()))
+        return image
+
+    def _load(self, name: str) -> BaseImage | None:
+        meta_file = self.root / name / "current" / "meta.json"
+        try:
+            meta = json.loads(meta_file.read_text())
+        except (OSError, ValueError):
+            return None
+        path = meta_file.parent.resolve()
+        return BaseImage(name=name, id=path.name, path=path, meta=meta)
 
     def is_current(self, name: str, build_id: str) -> bool:
         current = self.root / name / "current"

@@ -32,7 +32,6 @@ def user_data(hostname: str, user: str, client: KeyPair, host: KeyPair) -> dict[
             }
         ],
         "disable_root": True,
-        "ssh_pwauth": False,
         "ssh_deletekeys": True,
         "ssh_genkeytypes": [],
         "ssh_keys": {

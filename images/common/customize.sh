@@ -15,7 +15,15 @@ rm -f "$root"/etc/ssh/ssh_host_*
 mkdir -p "$root/etc/cloud/cloud.cfg.d"
 cat > "$root/etc/cloud/cloud.cfg.d/90-vmsandbox.cfg" <<'CFG'
 datasource_list: [NoCloud, None]
+# The image's locale is fixed at build time; regenerating it costs seconds at every first boot.
+locale: false
 CFG
+
+# Key-only SSH is baked in, so cloud-init never rewrites sshd_config and restarts sshd while the
+# client is already connecting.
+mkdir -p "$root/etc/ssh/sshd_config.d"
+printf 'PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin no\n' \
+  > "$root/etc/ssh/sshd_config.d/90-vmsandbox.conf"
 
 # Serial console login for debugging through `virsh console`.
 chroot "$root" systemctl enable serial-getty@ttyS0.service >/dev/null 2>&1 || true
