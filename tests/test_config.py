@@ -1,0 +1,70 @@
+"""Configuration layering, host apt sources and the virt-type choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vmsandbox import virt
+from vmsandbox.apt_sources import host_sources, mirror_lines
+from vmsandbox.config import Config
+from vmsandbox.errors import FailedPrecondition, InvalidArgument
+
+
+def test_file_then_environment_then_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    file = tmp_path / "config.toml"
+    file.write_text('uri = "qemu:///session"\nmax_cpus = 4\nstate_dir = "/srv/vmsbx"\n')
+    monkeypatch.setenv("VMSANDBOX_STATE_DIR", "/var/lib/other")
+    config = Config.load(file, max_cpus=2)
+    assert config.uri == "qemu:///session"
+    assert config.state_dir == Path("/var/lib/other")
+    assert config.images == Path("/var/lib/other/images")
+    assert config.max_cpus == 2
+
+
+def test_unknown_keys_and_bad_values_name_the_key(tmp_path: Path):
+    file = tmp_path / "config.toml"
+    file.write_text("max_cpu = 4\n")
+    with pytest.raises(InvalidArgument, match="unknown config key 'max_cpu'"):
+        Config.load(file)
+    file.write_text('max_cpus = "many"\n')
+    with pytest.raises(InvalidArgument, match="'max_cpus' has a bad value 'many'"):
+        Config.load(file)
+    with pytest.raises(InvalidArgument, match="virt_type 'xen'"):
+        Config.load("/nonexistent", virt_type="xen")
+
+
+def test_apt_sources_in_both_formats(tmp_path: Path):
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list").write_text(
+        "# comment\ndeb [arch=amd64 signed-by=/k.gpg] http://m.example/debian bookworm main\n"
+        "deb-src http://m.example/debian bookworm main\n"
+    )
+    (tmp_path / "sources.list.d" / "x.sources").write_text(
+        "Types: deb\nURIs: http://s.example/debian-security\nSuites: bookworm-security\n"
+        "Components: main\n\nTypes: deb\nEnabled: no\nURIs: http://off.example\nSuites: bookworm\n"
+    )
+    assert [s.uri for s in host_sources(tmp_path)] == [
+        "http://m.example/debian",
+        "http://s.example/debian-security",
+    ]
+    assert mirror_lines("bookworm", ["main", "non-free"], tmp_path) == [
+        "deb [signed-by=/k.gpg] http://m.example/debian bookworm main non-free",
+        "deb http://s.example/debian-security bookworm-security main non-free",
+    ]
+    with pytest.raises(FailedPrecondition, match="no mirror for 'trixie'"):
+        mirror_lines("trixie", ["main"], tmp_path)
+
+
+def test_virt_type_auto_uses_the_cached_probe(tmp_path: Path):
+    cache = tmp_path / "probe.json"
+    assert virt.resolve("qemu", cache=cache, kernel=None) == "qemu"
+    cache.write_text(json.dumps({"host": virt.host_key(), "kvm": False}))
+    assert virt.cached(cache=cache) == "qemu"
+    assert virt.resolve("auto", cache=cache, kernel=None) == "qemu"
+    cache.write_text(json.dumps({"host": "another host", "kvm": True}))
+    assert virt.cached(cache=cache) is None
+    with pytest.raises(InvalidArgument):
+        virt.resolve("hvf", cache=cache, kernel=None)
