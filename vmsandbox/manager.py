@@ -435,6 +435,7 @@ class SandboxManager:
                 host_cpus=passthrough.host_cpus_by_node(),
                 vcpus=spec.cpus,
                 memory_mib=spec.memory_mib,
+                virt_type=virt_type,
                 pin=cfg.numa_pinning,
             )
             plan.extra.append(functools.partial(passthrough.apply, plan=extra))

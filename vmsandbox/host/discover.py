@@ -214,7 +214,10 @@ def discover(
                 uuid=nvml_gpu.uuid if nvml_gpu else None,
                 bindable=not reasons,
                 reasons=tuple(reasons),
-                in_use_by=holders.get(function.bdf),
+                # held when any function of its slot is: companions go along with the GPU
+                in_use_by=next(
+                    (holders[b] for b in (function.bdf, *companion_bdfs) if b in holders), None
+                ),
                 index=index,
                 pcie_switch=host.pcie_switch(function),
                 boot_vga=function.boot_vga,
