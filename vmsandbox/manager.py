@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # importing vmsandbox.host loads pyudev: only GPU paths pay f
 
 STATE_CREATING = "creating"
 STATE_READY = "ready"
+STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
 
 
 @dataclass
@@ -242,10 +243,13 @@ class SandboxManager:
         spec: SandboxSpec,
         *,
         wait: bool = True,
+        start: bool = True,
         timeout: float | None = None,
         progress: Progress | None = None,
     ) -> Sandbox:
         """Create and start a sandbox; with ``wait``, return once SSH accepts its key.
+
+        ``start=False`` only defines it (GPUs held, state ``defined``); destroy removes it.
 
         Any failure removes everything this call made (domain, overlay, seed, keys) before the
         error propagates, which also frees the GPUs it had chosen.
@@ -267,6 +271,9 @@ class SandboxManager:
                 reserved = True
                 dom = self._define(spec, name, image, virt_type, paths, say)
                 _checkpoint("defined")
+            if not start:
+                self._set_state(dom, STATE_DEFINED)
+                return self._sandbox(dom, *self._read(dom))
             say(f"starting {dom.name()} ({virt_type})")
             with libvirt_errors(f"starting sandbox {name!r}"):
                 dom.create()
@@ -538,7 +545,7 @@ class SandboxManager:
             active = dom.isActive() == 1
         except libvirt.libvirtError:
             active = False
-        shown = state if active or state == STATE_CREATING else "stopped"
+        shown = state if active or state in (STATE_CREATING, STATE_DEFINED) else "stopped"
         return Sandbox(
             name=name,
             domain=dom.name(),
