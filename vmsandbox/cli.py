@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--timeout", type=float, help="seconds to wait for SSH")
     create.add_argument("--no-wait", action="store_true", help="return once the domain runs")
     create.add_argument(
+        "--no-verify", action="store_true", help="skip checking the GPUs from inside the guest"
+    )
+    create.add_argument(
+        "--keep-on-failure",
+        action="store_true",
+        help="keep the sandbox when GPU verification fails (for inspection)",
+    )
+    create.add_argument(
         "--dry-run",
         action="store_true",
         help="choose GPUs and print the domain XML (stdout) and GPUs (stderr); define nothing",
@@ -114,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     destroy.add_argument("names", nargs="+")
     destroy.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
 
+    verify = sub.add_parser("verify", help="re-check a sandbox's GPUs from inside the guest")
+    verify.add_argument("name")
+    verify.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+
     reconcile = sub.add_parser("reconcile", help="remove half-made sandboxes")
     reconcile.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
 
@@ -156,6 +168,8 @@ def _print_error(exc: VmSandboxError, want_json: bool) -> None:
     if want_json:
         print(json.dumps({"error": exc.to_dict()}, indent=2))
     else:
+        if isinstance(exc.details.get("verification"), dict):
+            print(_report_table(exc.details["verification"]), file=sys.stderr)
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
 
 
@@ -213,7 +227,13 @@ def _cmd_create(args: argparse.Namespace) -> int:
         sys.stdout.write(xml)
         return 0
     with _manager() as manager:
-        sandbox = manager.create(spec, wait=not args.no_wait, timeout=args.timeout)
+        sandbox = manager.create(
+            spec,
+            wait=not args.no_wait,
+            verify=not args.no_verify,
+            keep_on_failure=args.keep_on_failure,
+            timeout=args.timeout,
+        )
     _emit(sandbox.to_dict(), _describe(sandbox.to_dict()))
     return 0
 
@@ -288,6 +308,19 @@ def _cmd_destroy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    with _manager(progress=False) as manager:
+        report = manager.verify(args.name)
+    _emit(report, _report_table(report))
+    return 0 if report["ok"] else EXIT_CODES["FAILED_PRECONDITION"]
+
+
+def _report_table(report: dict[str, Any]) -> str:
+    from vmsandbox.verify import VerificationReport, render_report
+
+    return render_report(VerificationReport.from_dict(report))
+
+
 def _cmd_gpus(_args: argparse.Namespace) -> int:
     from vmsandbox.host import render_table
 
@@ -360,6 +393,8 @@ def _describe(data: dict[str, Any]) -> str:
         lines.append(f"boot:      SSH ready after {data['boot_seconds']}s")
     for gpu in data.get("gpus", []):
         lines.append(f"gpu:       {gpu.get('bdf')} {gpu.get('name') or ''}".rstrip())
+    if data.get("verification"):
+        lines += ["verification:", _report_table(data["verification"])]
     return "\n".join(lines)
 
 
@@ -380,6 +415,7 @@ _HANDLERS = {
     "destroy": _cmd_destroy,
     "reconcile": _cmd_reconcile,
     "gpus": _cmd_gpus,
+    "verify": _cmd_verify,
     "images": _cmd_images,
 }
 

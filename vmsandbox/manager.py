@@ -32,6 +32,7 @@ from vmsandbox.errors import (
     AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
+    GuestVerificationFailed,
     InvalidArgument,
     NotFound,
     VmSandboxError,
@@ -244,12 +245,16 @@ class SandboxManager:
         *,
         wait: bool = True,
         start: bool = True,
+        verify: bool = True,
+        keep_on_failure: bool = False,
         timeout: float | None = None,
         progress: Progress | None = None,
     ) -> Sandbox:
         """Create and start a sandbox; with ``wait``, return once SSH accepts its key.
 
         ``start=False`` only defines it (GPUs held, state ``defined``); destroy removes it.
+        With ``verify`` (and ``wait``), the GPUs are checked from inside the guest; a failed check
+        raises GuestVerificationFailed and removes the sandbox unless ``keep_on_failure``.
 
         Any failure removes everything this call made (domain, overlay, seed, keys) before the
         error propagates, which also frees the GPUs it had chosen.
@@ -280,15 +285,51 @@ class SandboxManager:
             _checkpoint("started")
             sandbox = self._sandbox(dom, *self._read(dom))
             if wait:
+                if timeout is None:
+                    from vmsandbox.verify import boot_timeout
+
+                    timeout = boot_timeout(
+                        self.config.boot_timeout, spec.memory_mib, len(sandbox.gpus)
+                    )
                 sandbox.boot_seconds = self._wait_ssh(dom, sandbox, paths, timeout, say)
-            self._set_state(dom, STATE_READY)
+                if verify:
+                    say("verifying the guest's devices")
+                    sandbox.verification = self._verify(dom, sandbox)
+            self._set_state(dom, STATE_READY, verification=sandbox.verification)
             sandbox.state = STATE_READY
+            if sandbox.verification is not None and not sandbox.verification["ok"]:
+                report = sandbox.verification
+                if keep_on_failure:
+                    reserved = False  # the caller asked to keep it for inspection
+                raise GuestVerificationFailed(
+                    f"sandbox {name!r}: GPU verification in the guest failed: "
+                    + "; ".join(report["problems"][:5]),
+                    details={"verification": report, "kept": keep_on_failure},
+                )
             say(f"sandbox {name} is ready")
             return sandbox
         except BaseException:
             if reserved:
                 self._remove(name, dom, paths)
             raise
+
+    def verify(self, name: str) -> dict[str, Any]:
+        """Re-run the in-guest GPU verification of a running sandbox; the report is stored."""
+        sandbox = self.get(name)
+        found = self._lookup(name)
+        assert found is not None
+        report = self._verify(found[0], sandbox)
+        self._set_state(found[0], found[2], verification=report)
+        return report
+
+    def _verify(self, dom: libvirt.virDomain, sandbox: Sandbox) -> dict[str, Any]:
+        from vmsandbox import verify
+
+        if sandbox.ssh is None:
+            raise FailedPrecondition(f"sandbox {sandbox.name!r} has no SSH endpoint yet")
+        run = functools.partial(guest.run, sandbox.ssh, self.keys_of(sandbox))
+        expected = [verify.ExpectedGpu.from_record(gpu) for gpu in sandbox.gpus]
+        return verify.verify(run, expected).to_dict()
 
     def dry_run(self, spec: SandboxSpec) -> tuple[str, list[Gpu]]:
         """The domain XML and GPUs that ``create`` would use now; defines and writes nothing.
@@ -513,8 +554,9 @@ class SandboxManager:
             time.sleep(0.5)
         raise DeadlineExceeded(f"sandbox {sandbox.name!r} got no DHCP lease within {timeout:.0f}s")
 
-    def _set_state(self, dom: libvirt.virDomain, state: str) -> None:
+    def _set_state(self, dom: libvirt.virDomain, state: str, **updates: Any) -> None:
         record, _old = self._read(dom)
+        record.update(updates)
         with libvirt_errors("updating sandbox metadata"):
             dom.setMetadata(
                 libvirt.VIR_DOMAIN_METADATA_ELEMENT,
