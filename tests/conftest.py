@@ -31,6 +31,7 @@ def make_config(state_dir: Path, **overrides: object) -> Config:
         state_dir=state_dir,
         image_dir=IMAGES,
         virt_type="qemu",
+        boot_timeout=600,  # TCG on a busy 2-core machine: generous, the tests assert no timing
         **overrides,
     )
 
@@ -75,6 +76,7 @@ def cli(*args: str, config: Config, check: bool = False) -> subprocess.Completed
         "VMSANDBOX_STATE_DIR": str(config.state_dir),
         "VMSANDBOX_IMAGE_DIR": str(config.images),
         "VMSANDBOX_VIRT_TYPE": config.virt_type,
+        "VMSANDBOX_BOOT_TIMEOUT": str(config.boot_timeout),
     }
     return subprocess.run(
         [sys.executable, "-m", "vmsandbox.cli", *args],

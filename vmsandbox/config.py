@@ -41,7 +41,7 @@ class Config:
     # With "user" networking: whether the guest may open connections to the outside world.
     guest_outbound: bool = False
     ssh_user: str = "sandbox"
-    boot_timeout: float = 240.0  # seconds for a guest without GPUs to answer SSH
+    boot_timeout: float = 300.0  # seconds for a guest without GPUs to answer SSH
     max_cpus: int = 8
     max_memory_mib: int = 65536
     max_disk_gib: int = 256
