@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -32,7 +33,13 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises INVALID_ARGUMENT instead of printing and exiting."""
 
     def error(self, message: str) -> NoReturn:
-        raise InvalidArgument(f"{self.prog}: {message}")
+        # argparse quotes the offending arguments as typed: escape what is not printable, so
+        # that no argument can add a line (or a terminal escape) to the one-line error.
+        raise InvalidArgument(f"{self.prog}: {_printable(message)}")
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _size_mib(text: str) -> int:
@@ -48,6 +55,19 @@ def _size_gib(text: str) -> int:
     if mib % 1024:
         raise InvalidArgument(f"--disk {text!r} must be a whole number of GiB (e.g. 10G, 10GiB)")
     return mib // 1024
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(
+            f"--timeout {text!r} is not a number of seconds above 0",
+            details={"field": "--timeout", "value": text},
+        )
+    return value
 
 
 def _positive(text: str) -> int:
@@ -68,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--memory", type=_size_mib, default=1024, help="e.g. 2048, 2G (MiB)")
     create.add_argument("--disk", type=_size_gib, default=4, help="e.g. 10, 10G (GiB)")
     create.add_argument("--virt-type", choices=("auto", "kvm", "qemu"), default="auto")
-    create.add_argument("--timeout", type=float, help="seconds to wait for SSH")
+    create.add_argument("--timeout", type=_seconds, help="seconds to wait for SSH")
     create.add_argument("--no-wait", action="store_true", help="return once the domain runs")
     create.add_argument(
         "--no-verify", action="store_true", help="skip checking the GPUs from inside the guest"
@@ -83,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="choose GPUs and print the domain XML (stdout) and GPUs (stderr); define nothing",
     )
-    create.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    create.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     gpu = create.add_argument_group("GPUs (OpenShell driver flags)")
     gpu.add_argument("--gpu", nargs="?", const="1", metavar="N", help="one free GPU, or N")
     gpu.add_argument("--gpu-count", type=_positive, metavar="N", help="exactly N GPUs")
@@ -100,56 +122,75 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--gpu-memory", metavar="SIZE", help="minimum memory per GPU, e.g. 80Gi")
 
     gpus = sub.add_parser("gpus", help="list this host's GPUs and whether they can be passed")
-    gpus.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    gpus.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
 
     sub.add_parser("list", help="list sandboxes").add_argument(
-        "--json", action="store_true", help=argparse.SUPPRESS
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
     show = sub.add_parser("show", help="show one sandbox")
     show.add_argument("name")
-    show.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    show.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
 
     exec_ = sub.add_parser("exec", help="run a command in a sandbox (exit status is its own)")
     exec_.add_argument("name")
-    exec_.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
-    exec_.add_argument("--timeout", type=float)
+    exec_.add_argument("argv", nargs="*", help="-- CMD [ARGS...]")
+    exec_.add_argument("--timeout", type=_seconds)
 
     ssh = sub.add_parser("ssh", help="interactive OpenSSH session with the pinned host key")
     ssh.add_argument("name")
-    ssh.add_argument("argv", nargs=argparse.REMAINDER)
+    ssh.add_argument("argv", nargs="*", help="[-- CMD [ARGS...]]")
 
     destroy = sub.add_parser("destroy", help="stop and remove sandboxes")
     destroy.add_argument("names", nargs="+")
-    destroy.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    destroy.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
 
     verify = sub.add_parser("verify", help="re-check a sandbox's GPUs from inside the guest")
     verify.add_argument("name")
-    verify.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    verify.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
 
     reconcile = sub.add_parser("reconcile", help="remove half-made sandboxes")
-    reconcile.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    reconcile.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
 
     images = sub.add_parser("images", help="build, import and list guest images")
     images_sub = images.add_subparsers(dest="images_command", required=True, parser_class=_Parser)
     build = images_sub.add_parser("build", help="build an image from its recipe in images/")
     build.add_argument("recipe")
     build.add_argument("--force", action="store_true", help="rebuild even when cached")
-    build.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    build.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     images_sub.add_parser("list", help="list built images").add_argument(
-        "--json", action="store_true", help=argparse.SUPPRESS
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
     imp = images_sub.add_parser("import", help="import a qcow2 or raw disk image")
     imp.add_argument("path")
     imp.add_argument("name")
-    imp.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    imp.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    want_json = "--json" in args_list
+    ours, guest_argv = _split_guest_command(args_list)
+    want_json = "--json" in ours
     try:
-        args = build_parser().parse_args(args_list)
+        args = build_parser().parse_args(ours)
+        if guest_argv is not None:
+            if args.argv:
+                raise InvalidArgument(f"{args.command}: give the command once, after '--'")
+            args.argv = guest_argv
         return _dispatch(args)
     except VmSandboxError as exc:
         _print_error(exc, want_json)
@@ -162,6 +203,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _print_error(VmSandboxError(f"{type(exc).__name__}: {exc}"), want_json)
         return 1
+
+
+def _split_guest_command(args_list: list[str]) -> tuple[list[str], list[str] | None]:
+    """For exec and ssh, what follows the first "--" is the guest's command line, never read
+    by our parser (argparse's REMAINDER would also take our own options written after NAME)."""
+    command = next((arg for arg in args_list if not arg.startswith("-")), None)
+    if command in ("exec", "ssh") and "--" in args_list:
+        cut = args_list.index("--")
+        return args_list[:cut], args_list[cut + 1 :]
+    return args_list, None
 
 
 def _print_error(exc: VmSandboxError, want_json: bool) -> None:

@@ -154,6 +154,8 @@ def read_metadata(domain_xml: str) -> tuple[dict[str, Any], str] | None:
         record = json.loads(sandbox.text)
     except ValueError:
         return None
+    if not isinstance(record, dict):
+        return None
     return record, sandbox.get("state", "unknown")
 
 

@@ -16,6 +16,7 @@ backing file when it does.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -31,7 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from vmsandbox.apt_sources import mirror_lines
-from vmsandbox.errors import FailedPrecondition, InvalidArgument, NotFound, VmSandboxError
+from vmsandbox.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    VmSandboxError,
+)
 from vmsandbox.progress import Progress, silent
 from vmsandbox.spec import validate_image_name
 
@@ -154,7 +161,7 @@ class ImageStore:
         """Build recipe ``name`` unless a build of the same recipe hash is already current."""
         recipe = load_recipe(name)
         build_id = recipe.hash[:16]
-        with self._image_lock(name):
+        with self._writing(name), self._image_lock(name):
             if not force and self.is_current(name, build_id):
                 progress(f"image {name} is up to date ({build_id})")
                 return self.get(name)
@@ -177,14 +184,17 @@ class ImageStore:
             )
         progress(f"hashing {source}")
         build_id = _file_hash(source)[:16]
-        with self._image_lock(name):
+        with self._writing(name), self._image_lock(name):
             if self.is_current(name, build_id):
                 progress(f"image {name} already holds this file ({build_id})")
                 return self.get(name)
 
             def convert(tmp: Path) -> dict[str, Any]:
                 progress(f"converting {source} to qcow2")
-                _run(["qemu-img", "convert", "-O", "qcow2", str(source), str(tmp / "disk.qcow2")])
+                _run(
+                    ["qemu-img", "convert", "-O", "qcow2", str(source), str(tmp / "disk.qcow2")],
+                    error=FailedPrecondition,  # the source was read fine: writing here failed
+                )
                 return {"kind": "import", "source": str(source)}
 
             return self._publish(name, build_id, convert)
@@ -223,6 +233,19 @@ class ImageStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return self.get(name)
+
+    @contextlib.contextmanager
+    def _writing(self, name: str) -> Iterator[None]:
+        """A failed write in the image directory is the host's problem: FAILED_PRECONDITION
+        (RESOURCE_EXHAUSTED when the disk is full) naming the path, not INTERNAL."""
+        try:
+            yield
+        except OSError as exc:
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise (ResourceExhausted if full else FailedPrecondition)(
+                f"cannot write image {name!r} in {self.root}: {exc.strerror or exc} "
+                f"({exc.filename or self.root})"
+            ) from exc
 
     @contextlib.contextmanager
     def _image_lock(self, name: str) -> Iterator[None]:
@@ -317,15 +340,13 @@ def _require_tools(*tools: str) -> None:
         )
 
 
-def _run(command: list[str]) -> str:
+def _run(command: list[str], error: type[VmSandboxError] = VmSandboxError) -> str:
     try:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
     except OSError as exc:
         raise FailedPrecondition(f"cannot run {command[0]}: {exc}") from exc
     if done.returncode != 0:
-        raise VmSandboxError(
-            f"{command[0]} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}"
-        )
+        raise error(f"{command[0]} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
     return done.stdout
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from vmsandbox.errors import FailedPrecondition
+
 CLIENT_KEY = "id_ed25519"
 KNOWN_HOSTS = "known_hosts"
 
@@ -63,8 +65,19 @@ class SandboxKeys:
         return self.folder / KNOWN_HOSTS
 
     def host_public_key(self) -> str:
-        """The pinned host key as ``ssh-ed25519 AAAA...``."""
-        line = self.known_hosts.read_text().split()
+        """The pinned host key as ``ssh-ed25519 AAAA...``; FAILED_PRECONDITION when there is
+        none (the client never falls back to trusting whatever key the guest shows)."""
+        try:
+            line = self.known_hosts.read_text().split()
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"the pinned host key of {self.host_alias} cannot be read: {exc}"
+            ) from exc
+        if len(line) < 3 or line[0] != self.host_alias:
+            raise FailedPrecondition(
+                f"{self.known_hosts} holds no host key pinned for {self.host_alias}; "
+                "refusing to connect"
+            )
         return f"{line[1]} {line[2]}"
 
     @classmethod

@@ -9,8 +9,11 @@ persistent domain named ``vmsbx-<name>`` whose metadata holds its record.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import math
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -35,6 +38,7 @@ from vmsandbox.errors import (
     GuestVerificationFailed,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     VmSandboxError,
 )
 from vmsandbox.hypervisor import is_alive, libvirt_errors, open_connection
@@ -204,7 +208,7 @@ class SandboxManager:
                 parsed = domain_xml.read_metadata(dom.XMLDesc(0))
             except libvirt.libvirtError:
                 continue  # vanished while we looked
-            if parsed is not None:
+            if parsed is not None and _names_domain(parsed[0], dom.name()):
                 found.append((dom, *parsed))
         return found
 
@@ -218,7 +222,7 @@ class SandboxManager:
             with libvirt_errors(f"looking up sandbox {name!r}"):
                 raise
             raise  # unreachable: libvirt_errors always raises
-        if parsed is None:
+        if parsed is None or not _names_domain(parsed[0], dom.name()):
             raise FailedPrecondition(
                 f"domain {dom.name()!r} exists but was not made by vmsandbox; not touching it"
             )
@@ -260,6 +264,7 @@ class SandboxManager:
         error propagates, which also frees the GPUs it had chosen.
         """
         say = progress or self.progress
+        _check_timeout(timeout)
         self.check_caps(spec)
         image = self.images.get(spec.image)
         self._check_disk(spec, image)
@@ -399,19 +404,22 @@ class SandboxManager:
             say("GPUs: " + ", ".join(f"{gpu.bdf} ({gpu.name or gpu.device_id})" for gpu in gpus))
         paths.remove()  # files without a domain are leftovers of a killed create
         alias = domain_xml.DOMAIN_PREFIX + name
-        keys, client, host = SandboxKeys.create(paths.keys, alias)
+        with _host_files(f"writing the keys of sandbox {name!r} to {paths.keys}"):
+            keys, client, host = SandboxKeys.create(paths.keys, alias)
         say(f"creating overlay on {image.name} ({image.id}), {spec.disk_gib} GiB")
         _make_overlay(image.disk, paths.overlay, spec.disk_gib)
         _checkpoint("overlay")
-        write_seed(
-            paths.seed,
-            instance_id=str(uuid.uuid4()),
-            hostname=name,
-            user=self.config.ssh_user,
-            client=client,
-            host=host,
-            network=USER_NET_CONFIG if self.config.network == "user" else DHCP_NET_CONFIG,
-        )
+        with _host_files(f"writing the seed of sandbox {name!r} to {paths.seed}"):
+            write_seed(
+                paths.seed,
+                instance_id=str(uuid.uuid4()),
+                hostname=name,
+                user=self.config.ssh_user,
+                client=client,
+                host=host,
+                network=USER_NET_CONFIG if self.config.network == "user" else DHCP_NET_CONFIG,
+                workdir=paths.keys,  # its files hold the host key: never outside the state dir
+            )
         port = self._free_port() if self.config.network == "user" else None
         record = {
             "keys": str(keys.folder),
@@ -638,10 +646,18 @@ class SandboxManager:
         sandbox = self.get(name)
         if sandbox.ssh is None:
             raise FailedPrecondition(f"sandbox {name!r} has no SSH endpoint yet")
+        _check_timeout(timeout)
         if not isinstance(command, str):
             if not command:
                 raise InvalidArgument("exec needs a command", details={"field": "command"})
+            if not all(isinstance(word, str) for word in command):
+                raise InvalidArgument("exec words must be strings", details={"field": "command"})
             command = shlex.join(command)
+        if "\0" in command:
+            raise InvalidArgument(
+                "exec command contains a NUL byte, which no command line can carry",
+                details={"field": "command"},
+            )
         return guest.run(
             sandbox.ssh,
             self.keys_of(sandbox),
@@ -730,28 +746,96 @@ class SandboxManager:
     # -- repair -------------------------------------------------------------------------------
 
     def reconcile(self) -> dict[str, list[str]]:
-        """Finish removing half-made sandboxes; never touches domains that are not ours.
+        """Finish removing half-made sandboxes of this state directory; never touches domains
+        that are not ours (no vmsandbox record naming the domain, or made with another state
+        directory).
 
         Half-made: a domain still marked creating whose creator process is gone; files with no
-        domain. Returns what was removed and what could not be fixed.
+        domain; a stopped domain whose overlay, seed or keys are gone. A running domain whose
+        files are gone is reported, not stopped. Returns what was removed and what could not
+        be fixed.
         """
         removed: list[str] = []
         problems: list[str] = []
         with self._locked():
-            domains = self._domains()
-            known = {rec.get("name") for _dom, rec, _state in domains}
+            domains = [found for found in self._domains() if self._is_local(found[1])]
             for dom, rec, state in domains:
-                name = rec.get("name", "")
-                if state == STATE_CREATING and not _process_alive(rec.get("creator")):
-                    try:
-                        self._remove_locked(name, dom, SandboxPaths.of(self.config, name))
-                        removed.append(name)
-                    except VmSandboxError as exc:
-                        problems.append(f"{name}: {exc.message}")
+                name = rec["name"]
+                paths = SandboxPaths.of(self.config, name)
+                creating = state == STATE_CREATING
+                if creating and _process_alive(rec.get("creator")):
+                    continue  # its creator is still at work
+                missing = [
+                    str(p) for p in (paths.overlay, paths.seed, paths.keys) if not p.exists()
+                ]
+                if not creating and not missing:
+                    continue
+                try:
+                    running = dom.isActive() == 1
+                except libvirt.libvirtError:
+                    running = False
+                if not creating and running:
+                    problems.append(
+                        f"{name}: running, but its files are gone ({', '.join(missing)}); "
+                        f"remove it with 'vmsandbox destroy {name}'"
+                    )
+                    continue
+                try:
+                    self._remove_locked(name, dom, paths)
+                    removed.append(name)
+                except VmSandboxError as exc:
+                    problems.append(f"{name}: {exc.message}")
+            known = {rec["name"] for _dom, rec, _state in domains}
             for name in _names_on_disk(self.config) - known:
                 SandboxPaths.of(self.config, name).remove()
                 removed.append(name)
         return {"removed": sorted(set(removed)), "problems": problems}
+
+    def _is_local(self, record: dict[str, Any]) -> bool:
+        """Whether a sandbox was made with this state directory (its keys are kept here)."""
+        return record.get("keys") == str(self.config.sandboxes / record["name"])
+
+
+def _names_domain(record: dict[str, Any], domain: str) -> bool:
+    """A record is ours only if it names, with a valid name, the domain it is stored in: its
+    name becomes file paths, so a name that is not a sandbox name must never reach them."""
+    name = record.get("name")
+    try:
+        validate_name(name)
+    except InvalidArgument:
+        return False
+    return domain == domain_xml.DOMAIN_PREFIX + name
+
+
+def _check_timeout(timeout: float | None) -> None:
+    """A timeout is None (the default) or a finite number of seconds above 0 (NaN never
+    expires: every comparison with it is false)."""
+    if timeout is None:
+        return
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise InvalidArgument(
+            f"timeout must be a finite number of seconds above 0, got {timeout!r}",
+            details={"field": "timeout", "value": repr(timeout)},
+        )
+
+
+@contextlib.contextmanager
+def _host_files(doing: str) -> Iterator[None]:
+    """Turn a failed write on the host into FAILED_PRECONDITION (RESOURCE_EXHAUSTED when the
+    disk is full), naming what was being written."""
+    try:
+        yield
+    except OSError as exc:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise (ResourceExhausted if full else FailedPrecondition)(
+            f"{doing}: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
+            details={"errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))},
+        ) from exc
 
 
 def _checkpoint(stage: str) -> None:
@@ -834,11 +918,13 @@ def _process_alive(identity: dict[str, Any] | None) -> bool:
 
 
 def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started, or None if it is gone or a zombie (killed, not reaped)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def _boot_id() -> str:
@@ -856,7 +942,13 @@ def _tail(path: Path, lines: int) -> str:
             text = handle.read().decode(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.replace("\r", "").splitlines()[-lines:])
+    text = _ANSI_RE.sub("", text)
+    text = "".join(ch for ch in text if ch in "\n\t" or ch.isprintable())
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# Escape sequences of the guest console (colours, cursor moves): never echoed to a terminal.
+_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
 
 
 _STAGES = (

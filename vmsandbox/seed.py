@@ -69,11 +69,16 @@ def write_seed(
     client: KeyPair,
     host: KeyPair,
     network: dict[str, Any] = USER_NET_CONFIG,
+    workdir: Path | None = None,
 ) -> None:
-    """Write the seed ISO to ``path`` (0600: it carries the guest's private host key)."""
+    """Write the seed ISO to ``path`` (0600: it carries the guest's private host key).
+
+    Its files are staged in a temporary folder under ``workdir`` (default: TMPDIR); a process
+    killed while writing leaves them there, so give a folder that cleanup removes.
+    """
     if shutil.which("genisoimage") is None:
         raise FailedPrecondition("genisoimage is missing; run the setup (make setup)")
-    with tempfile.TemporaryDirectory(prefix="vmsbx-seed-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vmsbx-seed-", dir=workdir) as tmp:
         files = {
             "user-data": "#cloud-config\n"
             + json.dumps(user_data(hostname, user, client, host), indent=1)

@@ -23,9 +23,9 @@ from vmsandbox.gpuquery import (
 )
 
 NAME_MAX = 48
-_NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]*[a-z0-9])?$")
+_NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\Z")  # \Z: "$" also matches before "\n"
 IMAGE_NAME_MAX = 64
-_IMAGE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+_IMAGE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*\Z")
 VIRT_TYPES = ("auto", "kvm", "qemu")
 
 
@@ -160,6 +160,11 @@ class SandboxSpec:
             raise InvalidArgument(
                 f"gpu must be a GpuRequest or None, got {type(self.gpu).__name__}",
                 details={"field": "gpu"},
+            )
+        if not isinstance(self.labels, dict):
+            raise InvalidArgument(
+                f"labels must map strings to strings, got {type(self.labels).__name__}",
+                details={"field": "labels"},
             )
         for key, value in self.labels.items():
             if not isinstance(key, str) or not isinstance(value, str):

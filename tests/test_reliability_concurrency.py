@@ -1,0 +1,119 @@
+"""Concurrent use from separate processes: parallel creates and destroys of different
+sandboxes, racing destroys of one sandbox, racing creates of one name. Each ends in a
+consistent state with no error but the expected NOT_FOUND / ALREADY_EXISTS.
+
+Guests are created with ``--no-wait`` (QEMU runs, nobody waits for SSH) to keep this fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import pytest
+from conftest import cli, leftovers
+
+from vmsandbox.config import Config
+from vmsandbox.spec import generate_name
+
+pytestmark = pytest.mark.libvirt
+
+SMALL = ("--memory", "256", "--no-wait")
+
+
+def in_parallel(config: Config, commands: Sequence[Sequence[str]]) -> list[tuple[int, str]]:
+    """Start every CLI command at once (each its own process); their exit codes and stderr."""
+    env = {
+        **os.environ,
+        "VMSANDBOX_CONFIG": "/nonexistent",
+        "VMSANDBOX_URI": config.uri,
+        "VMSANDBOX_STATE_DIR": str(config.state_dir),
+        "VMSANDBOX_IMAGE_DIR": str(config.images),
+        "VMSANDBOX_VIRT_TYPE": config.virt_type,
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "vmsandbox.cli", *command],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for command in commands
+    ]
+    results = []
+    for proc in procs:
+        _out, err = proc.communicate(timeout=300)
+        results.append((proc.returncode, err))
+    return results
+
+
+def listed(config: Config) -> dict[str, dict]:
+    done = cli("list", "--json", config=config, check=True)
+    return {s["name"]: s for s in json.loads(done.stdout)["sandboxes"]}
+
+
+def cleanup(config: Config, names: Sequence[str]) -> None:
+    for name in names:
+        if leftovers(config, name):
+            cli("destroy", name, config=config)
+
+
+def test_four_parallel_creates_then_four_parallel_destroys(config: Config) -> None:
+    names = [generate_name("t") for _ in range(4)]
+    try:
+        created = in_parallel(config, [("create", name, *SMALL) for name in names])
+        assert [code for code, _err in created] == [0, 0, 0, 0], created
+        sandboxes = listed(config)
+        assert all(sandboxes[name]["state"] == "ready" for name in names)
+        ports = {sandboxes[name]["ssh"]["port"] for name in names}
+        assert len(ports) == 4, "each sandbox forwards SSH on its own port"
+        destroyed = in_parallel(config, [("destroy", name) for name in names])
+        assert [code for code, _err in destroyed] == [0, 0, 0, 0], destroyed
+        for name in names:
+            assert leftovers(config, name) == []
+        assert not set(names) & set(listed(config))
+    finally:
+        cleanup(config, names)
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_two_destroys_of_one_sandbox_race_cleanly(config: Config, round_: int) -> None:
+    """Both succeed, or one succeeds and the other finds nothing (NOT_FOUND); never another
+    error, and nothing is left."""
+    name = generate_name("t")
+    try:
+        assert cli("create", name, *SMALL, config=config).returncode == 0
+        time.sleep(0.1 * round_)  # a little more of the guest's boot going on, round by round
+        results = in_parallel(config, [("destroy", name), ("destroy", name)])
+        codes = sorted(code for code, _err in results)
+        assert codes in ([0, 0], [0, 3]), results
+        for code, err in results:
+            if code == 3:
+                assert err.startswith("error: NOT_FOUND: "), err
+        assert leftovers(config, name) == []
+    finally:
+        cleanup(config, [name])
+
+
+def test_two_creates_of_one_name_give_one_sandbox_and_already_exists(config: Config) -> None:
+    """Exactly one create wins; the other is ALREADY_EXISTS and leaves the winner intact."""
+    name = generate_name("t")
+    try:
+        results = in_parallel(config, [("create", name, *SMALL), ("create", name, *SMALL)])
+        codes = sorted(code for code, _err in results)
+        assert codes == [0, 4], results
+        loser = next(err for code, err in results if code == 4)
+        assert "error: ALREADY_EXISTS: " in loser
+        assert listed(config)[name]["state"] == "ready"
+        made = leftovers(config, name)
+        assert f"domain vmsbx-{name}" in made and len(made) >= 4  # domain, overlay, seed, keys
+        assert cli("destroy", name, config=config).returncode == 0
+        assert leftovers(config, name) == []
+    finally:
+        cleanup(config, [name])

@@ -1,0 +1,225 @@
+"""libvirtd restarts: a running sandbox survives one (listed, reachable, destroyable), calls
+made while libvirtd is down fail with UNAVAILABLE (API and CLI exit 7), and the same
+SandboxManager works again once libvirtd is back.
+
+The libvirtd restarted here is a private one of this test, in a mount namespace of its own
+(its own /run/libvirt, /var/lib/libvirt, /etc/libvirt, ...) and reached through its socket,
+so restarting it never disturbs the host's libvirtd or anyone else's guests. It is the same
+libvirtd binary and configuration with real QEMU guests, only started by the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import libvirt
+import pytest
+from conftest import leftovers
+
+from vmsandbox.config import Config
+from vmsandbox.errors import Unavailable
+from vmsandbox.manager import SandboxManager
+from vmsandbox.spec import SandboxSpec, generate_name
+
+pytestmark = pytest.mark.e2e
+
+# Bind-mounted over the host's in the daemon's mount namespace: source folder -> target.
+PRIVATE_DIRS = {
+    "run": "/run/libvirt",
+    "lib": "/var/lib/libvirt",
+    "cache": "/var/cache/libvirt",
+    "etc": "/etc/libvirt",
+    "log": "/var/log/libvirt",
+}
+
+
+@dataclass
+class PrivateLibvirtd:
+    """A libvirtd (and virtlogd) of the test's own, in a private mount namespace."""
+
+    base: Path
+
+    @property
+    def socket(self) -> Path:
+        return self.base / "run" / "libvirt-sock"
+
+    @property
+    def uri(self) -> str:
+        return f"qemu+unix:///system?socket={self.socket}"
+
+    def pid(self, daemon: str) -> int | None:
+        try:
+            return int((self.base / f"{daemon}.pid").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def setup(self) -> None:
+        for folder in PRIVATE_DIRS:
+            (self.base / folder).mkdir()
+        # The daemons' configuration files, not the host's persistent domains and networks.
+        for conf in Path("/etc/libvirt").glob("*.conf"):
+            shutil.copy2(conf, self.base / "etc")
+        (self.base / "etc" / "qemu").mkdir()
+        # QEMU's capabilities cache: without it the first start probes QEMU for seconds.
+        shutil.copytree("/var/cache/libvirt", self.base / "cache", dirs_exist_ok=True)
+        mounts = " && ".join(
+            f"mount --bind {self.base / src} {dst}" for src, dst in PRIVATE_DIRS.items()
+        )
+        script = f"{mounts} && virtlogd -d -p {self.base / 'virtlogd.pid'}"
+        subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script],
+            check=True,
+            timeout=30,
+        )
+        self.start()
+
+    def start(self) -> None:
+        """Start libvirtd in the namespace that virtlogd keeps alive; wait until it answers."""
+        holder = self.pid("virtlogd")
+        assert holder is not None
+        pidfile = self.base / "libvirtd.pid"
+        subprocess.run(
+            ["nsenter", "-t", str(holder), "-m", "--", "libvirtd", "-d", "-p", str(pidfile)],
+            check=True,
+            timeout=30,
+        )
+        deadline = time.monotonic() + 60
+        while not self.answers():
+            assert time.monotonic() < deadline, "private libvirtd did not come up"
+            time.sleep(0.1)
+
+    def answers(self) -> bool:
+        try:
+            libvirt.open(self.uri).close()
+            return True
+        except libvirt.libvirtError:
+            return False
+
+    def stop(self, daemon: str = "libvirtd") -> None:
+        """SIGTERM the daemon this test started; return once it no longer serves."""
+        pid = self.pid(daemon)
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _running(pid):
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        (self.base / f"{daemon}.pid").unlink(missing_ok=True)
+
+    def teardown(self) -> None:
+        if self.pid("libvirtd") is not None and self.answers():
+            conn = libvirt.open(self.uri)
+            try:
+                for dom in conn.listAllDomains(0):  # every domain here is this test's
+                    with contextlib.suppress(libvirt.libvirtError):
+                        dom.destroy()
+                    with contextlib.suppress(libvirt.libvirtError):
+                        dom.undefine()
+            finally:
+                conn.close()
+        self.stop("libvirtd")
+        self.stop("virtlogd")
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (daemons are reaped by init, which may take a while)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@pytest.fixture
+def private_libvirtd() -> Iterator[PrivateLibvirtd]:
+    base = Path(tempfile.mkdtemp(prefix="vmsbx-libvirtd-", dir="/var/tmp"))
+    os.chmod(base, 0o711)  # QEMU runs as another user and must reach the disks under it
+    daemon = PrivateLibvirtd(base)
+    try:
+        daemon.setup()
+        yield daemon
+    finally:
+        daemon.teardown()
+
+
+def run_cli(config: Config, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "VMSANDBOX_CONFIG": "/nonexistent",
+        "VMSANDBOX_URI": config.uri,
+        "VMSANDBOX_STATE_DIR": str(config.state_dir),
+        "VMSANDBOX_IMAGE_DIR": str(config.images),
+        "VMSANDBOX_VIRT_TYPE": config.virt_type,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "vmsandbox.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_a_sandbox_survives_a_libvirtd_restart(
+    config: Config, private_libvirtd: PrivateLibvirtd
+) -> None:
+    # A state directory of its own: one state directory belongs to one libvirtd (reconcile on
+    # the private one would take the session's sandboxes for files without a domain).
+    cfg = replace(config, uri=private_libvirtd.uri, state_dir=private_libvirtd.base / "state")
+    box, spare = generate_name("t"), generate_name("t")
+    with SandboxManager(cfg) as manager:
+        try:
+            manager.create(SandboxSpec(name=box, memory_mib=768))
+            manager.create(SandboxSpec(name=spare, memory_mib=256), wait=False)
+
+            private_libvirtd.stop()
+            try:
+                down_at = time.monotonic()
+                for call in (
+                    manager.list,
+                    lambda: manager.get(box),
+                    lambda: manager.exec(box, ["true"]),
+                    lambda: manager.destroy(spare),
+                    lambda: SandboxManager(cfg),
+                ):
+                    with pytest.raises(Unavailable):
+                        call()
+                done = run_cli(cfg, "list")
+                assert done.returncode == 7, done.stderr
+                assert done.stderr.startswith("error: UNAVAILABLE: ")
+                assert "Traceback" not in done.stderr
+                down_for = time.monotonic() - down_at
+            finally:
+                private_libvirtd.start()
+            assert down_for < 30
+
+            states = {s.name: s.state for s in manager.list()}  # the same manager reconnects
+            assert states == {box: "ready", spare: "ready"}
+            result = manager.exec(box, ["cat", "/etc/hostname"])
+            assert (result.exit_status, result.stdout.strip()) == (0, box)
+            assert run_cli(cfg, "exec", box, "--", "true").returncode == 0
+            manager.destroy(spare)
+            assert leftovers(cfg, spare) == []
+            assert manager.exec(box, ["true"]).exit_status == 0
+            manager.destroy(box)
+            assert leftovers(cfg, box) == []
+        finally:
+            for name in (box, spare):
+                with contextlib.suppress(Exception):
+                    manager.destroy(name)

@@ -1,0 +1,1 @@
+"""Programs that vmsandbox ships to guests over SSH and runs there (package data)."""
