@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from vmsandbox.keys import SandboxKeys, generate
-from vmsandbox.seed import USER_NET_CONFIG, write_seed
+from vmsandbox.seed import network_config, write_seed
 
 
 def read_iso(iso: Path, name: str) -> str:
@@ -22,7 +22,16 @@ def read_iso(iso: Path, name: str) -> str:
 def test_seed_carries_label_keys_and_static_network(tmp_path: Path):
     client, host = generate("c"), generate("h")
     iso = tmp_path / "seed.iso"
-    write_seed(iso, instance_id="iid-1", hostname="box", user="sandbox", client=client, host=host)
+    net = network_config("52:54:00:ab:cd:ef", user_net=True)
+    write_seed(
+        iso,
+        instance_id="iid-1",
+        hostname="box",
+        user="sandbox",
+        client=client,
+        host=host,
+        network=net,
+    )
     assert iso.stat().st_mode & 0o777 == 0o600
     label = subprocess.run(
         ["isoinfo", "-d", "-i", str(iso)], capture_output=True, text=True, check=True
@@ -39,7 +48,10 @@ def test_seed_carries_label_keys_and_static_network(tmp_path: Path):
         "instance-id": "iid-1",
         "local-hostname": "box",
     }
-    assert json.loads(read_iso(iso, "network-config")) == USER_NET_CONFIG
+    network = json.loads(read_iso(iso, "network-config"))
+    assert network["ethernets"]["eth0"]["match"] == {"macaddress": "52:54:00:ab:cd:ef"}
+    assert network["ethernets"]["eth0"]["addresses"] == ["10.0.2.15/24"]
+    assert "dhcp4" in network_config("52:54:00:ab:cd:ef", user_net=False)["ethernets"]["eth0"]
 
 
 def test_hostile_values_stay_quoted_strings(tmp_path: Path):
@@ -52,6 +64,7 @@ def test_hostile_values_stay_quoted_strings(tmp_path: Path):
         user="sandbox",
         client=generate("c"),
         host=generate("h"),
+        network=network_config("52:54:00:00:00:01", user_net=True),
     )
     config = json.loads(read_iso(iso, "user-data").split("\n", 1)[1])
     assert config["hostname"] == evil

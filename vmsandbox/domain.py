@@ -41,6 +41,7 @@ class DomainPlan:
     initrd: Path | None = None
     cmdline: str | None = None
     network: str = "user"  # "user" or a libvirt network name
+    mac: str = "52:54:00:00:00:01"  # the guest NIC's, matched by the seed's network config
     ssh_port: int | None = None  # user networking: host port forwarded to guest port 22
     guest_outbound: bool = False
     uefi: bool = False
@@ -113,6 +114,7 @@ def _add_disks(devices: etree._Element, before: etree._Element, plan: DomainPlan
 def _add_network(root: etree._Element, devices: etree._Element, plan: DomainPlan) -> None:
     if plan.network != "user":
         iface = etree.SubElement(devices, "interface", type="network")
+        etree.SubElement(iface, "mac", address=plan.mac)
         etree.SubElement(iface, "source", network=plan.network)
         etree.SubElement(iface, "model", type="virtio")
         devices.find("serial").addprevious(iface)
@@ -122,7 +124,7 @@ def _add_network(root: etree._Element, devices: etree._Element, plan: DomainPlan
     netdev = f"user,id=vmsbxnet0,hostfwd=tcp:127.0.0.1:{int(plan.ssh_port)}-:22"
     if not plan.guest_outbound:
         netdev += ",restrict=on"
-    device = f"virtio-net-pci,netdev=vmsbxnet0,bus=pcie.0,addr={USER_NET_SLOT}"
+    device = f"virtio-net-pci,netdev=vmsbxnet0,bus=pcie.0,addr={USER_NET_SLOT},mac={plan.mac}"
     commandline = etree.SubElement(root, f"{{{QEMU_NS}}}commandline")
     for value in ("-netdev", netdev, "-device", device):
         etree.SubElement(commandline, f"{{{QEMU_NS}}}arg", value=value)

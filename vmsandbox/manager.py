@@ -35,7 +35,6 @@ from vmsandbox.errors import (
     AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
-    GuestVerificationFailed,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -46,7 +45,7 @@ from vmsandbox.images import KERNEL_CMDLINE, BaseImage, ImageStore
 from vmsandbox.keys import SandboxKeys
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
-from vmsandbox.seed import DHCP_NET_CONFIG, USER_NET_CONFIG, write_seed
+from vmsandbox.seed import network_config, write_seed
 from vmsandbox.spec import SandboxSpec, generate_name, validate_name
 
 if TYPE_CHECKING:  # importing vmsandbox.host loads pyudev: only GPU paths pay for it
@@ -303,13 +302,14 @@ class SandboxManager:
             self._set_state(dom, STATE_READY, verification=sandbox.verification)
             sandbox.state = STATE_READY
             if sandbox.verification is not None and not sandbox.verification["ok"]:
-                report = sandbox.verification
+                from vmsandbox.verify import VerificationReport, raise_if_failed
+
                 if keep_on_failure:
                     reserved = False  # the caller asked to keep it for inspection
-                raise GuestVerificationFailed(
-                    f"sandbox {name!r}: GPU verification in the guest failed: "
-                    + "; ".join(report["problems"][:5]),
-                    details={"verification": report, "kept": keep_on_failure},
+                raise_if_failed(
+                    VerificationReport.from_dict(sandbox.verification),
+                    subject=f"sandbox {name!r}",
+                    details={"kept": keep_on_failure},
                 )
             say(f"sandbox {name} is ready")
             return sandbox
@@ -404,6 +404,7 @@ class SandboxManager:
             say("GPUs: " + ", ".join(f"{gpu.bdf} ({gpu.name or gpu.device_id})" for gpu in gpus))
         paths.remove()  # files without a domain are leftovers of a killed create
         alias = domain_xml.DOMAIN_PREFIX + name
+        mac = "52:54:00:" + ":".join(f"{b:02x}" for b in os.urandom(3))
         with _host_files(f"writing the keys of sandbox {name!r} to {paths.keys}"):
             keys, client, host = SandboxKeys.create(paths.keys, alias)
         say(f"creating overlay on {image.name} ({image.id}), {spec.disk_gib} GiB")
@@ -417,11 +418,12 @@ class SandboxManager:
                 user=self.config.ssh_user,
                 client=client,
                 host=host,
-                network=USER_NET_CONFIG if self.config.network == "user" else DHCP_NET_CONFIG,
+                network=network_config(mac, user_net=self.config.network == "user"),
                 workdir=paths.keys,  # its files hold the host key: never outside the state dir
             )
         port = self._free_port() if self.config.network == "user" else None
         record = {
+            "mac": mac,
             "keys": str(keys.folder),
             "host_key_alias": alias,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -476,6 +478,7 @@ class SandboxManager:
             initrd=(image.initrd if image else image_dir / "initrd.img"),
             cmdline=image.cmdline if image else KERNEL_CMDLINE,
             network=cfg.network,
+            mac=record.get("mac", "52:54:00:00:00:01"),
             ssh_port=port,
             guest_outbound=cfg.guest_outbound,
         )

@@ -45,19 +45,21 @@ def meta_data(instance_id: str, hostname: str) -> dict[str, Any]:
     return {"instance-id": instance_id, "local-hostname": hostname}
 
 
-# QEMU user-mode networking always hands out the same addresses; configuring them statically
-# spares the guest a DHCP round (seconds under TCG).
-USER_NET_CONFIG: dict[str, Any] = {
-    "version": 2,
-    "ethernets": {
-        "eth0": {
-            "addresses": ["10.0.2.15/24"],
-            "gateway4": "10.0.2.2",
-            "nameservers": {"addresses": ["10.0.2.3"]},
-        }
-    },
-}
-DHCP_NET_CONFIG: dict[str, Any] = {"version": 2, "ethernets": {"eth0": {"dhcp4": True}}}
+def network_config(mac: str, *, user_net: bool) -> dict[str, Any]:
+    """The guest's network: its NIC found by MAC (so images with any interface naming work)
+    and named eth0. QEMU user-mode networking always hands out the same addresses, so they are
+    set statically, sparing the guest a DHCP round (seconds under TCG); a libvirt network uses
+    DHCP."""
+    nic: dict[str, Any] = {"match": {"macaddress": mac}, "set-name": "eth0"}
+    if user_net:
+        nic.update(
+            addresses=["10.0.2.15/24"],
+            gateway4="10.0.2.2",
+            nameservers={"addresses": ["10.0.2.3"]},
+        )
+    else:
+        nic["dhcp4"] = True
+    return {"version": 2, "ethernets": {"eth0": nic}}
 
 
 def write_seed(
@@ -68,7 +70,7 @@ def write_seed(
     user: str,
     client: KeyPair,
     host: KeyPair,
-    network: dict[str, Any] = USER_NET_CONFIG,
+    network: dict[str, Any],
     workdir: Path | None = None,
 ) -> None:
     """Write the seed ISO to ``path`` (0600: it carries the guest's private host key).
