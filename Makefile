@@ -19,5 +19,6 @@ lint:
 	.venv/bin/ruff check vmsandbox tests bench
 	.venv/bin/ruff format --check vmsandbox tests bench
 
-bench: setup
+bench:
+	VMSANDBOX_EXTRA_PACKAGES=virtinst bash setup/setup.sh
 	.venv/bin/python bench/run_all.py

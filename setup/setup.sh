@@ -12,6 +12,9 @@ PACKAGES=(
   ovmf libvirt-dev pkg-config python3-venv python3-dev gcc mmdebstrap e2fsprogs umockdev
   openssh-client genisoimage pciutils libxml2-utils ca-certificates make
 )
+# Packages only some jobs need (make bench adds virtinst for its virt-install baseline).
+read -r -a EXTRA <<< "${VMSANDBOX_EXTRA_PACKAGES:-}"
+PACKAGES+=("${EXTRA[@]}")
 
 say() { printf '[setup] %s\n' "$*" >&2; }
 

@@ -13,9 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO
-
-import paramiko
+from typing import IO, TYPE_CHECKING, Any
 
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from vmsandbox.keys import SandboxKeys
@@ -24,6 +22,16 @@ from vmsandbox.progress import Progress, silent
 # paramiko logs every failed handshake with a traceback; while a guest boots those are expected.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 logging.getLogger("paramiko").propagate = False
+
+if TYPE_CHECKING:
+    import paramiko
+
+
+def _paramiko() -> Any:
+    """paramiko, imported on first use: it costs ~150 ms, and most commands never SSH."""
+    import paramiko
+
+    return paramiko
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class HostKeyMismatch(FailedPrecondition):
 
 
 def _client(endpoint: Endpoint, keys: SandboxKeys, timeout: float) -> paramiko.SSHClient:
+    paramiko = _paramiko()
     client = paramiko.SSHClient()
     key_type, key_b64 = keys.host_public_key().split()[:2]
     pinned = paramiko.PKey.from_type_string(key_type, base64.b64decode(key_b64))
@@ -82,7 +91,7 @@ def connect(endpoint: Endpoint, keys: SandboxKeys, timeout: float = 10.0) -> par
         return _client(endpoint, keys, timeout)
     except HostKeyMismatch:
         raise
-    except (OSError, paramiko.SSHException, EOFError) as exc:
+    except (OSError, _paramiko().SSHException, EOFError) as exc:
         raise Unavailable(
             f"cannot reach the guest over SSH at {endpoint.host}:{endpoint.port}: {exc}"
         ) from exc
@@ -126,7 +135,7 @@ def wait_ready(
             client = _client(endpoint, keys, timeout=min(5.0, max(0.5, deadline - now)))
         except HostKeyMismatch:
             raise
-        except (TimeoutError, OSError, paramiko.SSHException, EOFError) as exc:
+        except (TimeoutError, OSError, _paramiko().SSHException, EOFError) as exc:
             last_error = str(exc) or type(exc).__name__
             time.sleep(interval)
             continue

@@ -11,9 +11,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 from vmsandbox.errors import FailedPrecondition
 
 CLIENT_KEY = "id_ed25519"
@@ -27,6 +24,9 @@ class KeyPair:
 
 
 def generate(comment: str) -> KeyPair:
+    from cryptography.hazmat.primitives import serialization  # deferred: slow to import
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     key = Ed25519PrivateKey.generate()
     private = key.private_bytes(
         serialization.Encoding.PEM,
