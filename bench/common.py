@@ -255,7 +255,7 @@ def hand_made(folder: Path, name: str, *, cpus: int = 1, memory_mib: int = 1024)
     ``build_domain_xml`` writes for them, under a name of ours (no ``vmsbx-``: not a sandbox)."""
     from vmsandbox import domain
     from vmsandbox.config import Config
-    from vmsandbox.images import ImageStore
+    from vmsandbox.images import ImageStore, make_overlay
     from vmsandbox.keys import SandboxKeys
     from vmsandbox.seed import network_config, write_seed
 
@@ -266,21 +266,7 @@ def hand_made(folder: Path, name: str, *, cpus: int = 1, memory_mib: int = 1024)
     keys_dir, console = folder / f"{name}-keys", folder / f"{name}.console.log"
     xml = folder / f"{name}.xml"
     files = (overlay, seed, keys_dir, console, xml)
-    run(
-        [
-            "qemu-img",
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            str(image.disk),
-            str(overlay),
-            f"{DISK_GIB}G",
-        ]
-    )
+    make_overlay(image.disk, overlay, DISK_GIB)
     keys, client, host = SandboxKeys.create(keys_dir, name)
     write_seed(
         seed,

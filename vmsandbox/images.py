@@ -310,6 +310,34 @@ def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, An
     }
 
 
+def make_overlay(base: Path, overlay: Path, disk_gib: int) -> None:
+    """A qcow2 overlay of ``disk_gib`` GiB on base image ``base`` (0600, written atomically)."""
+    partial = overlay.with_name(overlay.name + ".partial")
+    done = subprocess.run(
+        [
+            "qemu-img",
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            str(base),
+            str(partial),
+            f"{disk_gib}G",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise FailedPrecondition(f"cannot create overlay {overlay}: {done.stderr.strip()}")
+    os.chmod(partial, 0o600)
+    os.replace(partial, overlay)
+
+
 def _tree_size(root: Path) -> int:
     total = 0
     for dirpath, _dirs, files in os.walk(root):

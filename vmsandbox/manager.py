@@ -17,7 +17,6 @@ import re
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -41,7 +40,7 @@ from vmsandbox.errors import (
     VmSandboxError,
 )
 from vmsandbox.hypervisor import is_alive, libvirt_errors, open_connection
-from vmsandbox.images import KERNEL_CMDLINE, BaseImage, ImageStore
+from vmsandbox.images import KERNEL_CMDLINE, BaseImage, ImageStore, make_overlay
 from vmsandbox.keys import SandboxKeys
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
@@ -408,7 +407,7 @@ class SandboxManager:
         with _host_files(f"writing the keys of sandbox {name!r} to {paths.keys}"):
             keys, client, host = SandboxKeys.create(paths.keys, alias)
         say(f"creating overlay on {image.name} ({image.id}), {spec.disk_gib} GiB")
-        _make_overlay(image.disk, paths.overlay, spec.disk_gib)
+        make_overlay(image.disk, paths.overlay, spec.disk_gib)
         _checkpoint("overlay")
         with _host_files(f"writing the seed of sandbox {name!r} to {paths.seed}"):
             write_seed(
@@ -862,33 +861,6 @@ def _gpu_record(gpu: Gpu) -> dict[str, Any]:
         "companions": list(gpu.companions),
         "companion_ids": [list(pair) for pair in gpu.companion_ids],
     }
-
-
-def _make_overlay(base: Path, overlay: Path, disk_gib: int) -> None:
-    partial = overlay.with_name(overlay.name + ".partial")
-    done = subprocess.run(
-        [
-            "qemu-img",
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            str(base),
-            str(partial),
-            f"{disk_gib}G",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise FailedPrecondition(f"cannot create overlay {overlay}: {done.stderr.strip()}")
-    os.chmod(partial, 0o600)
-    os.replace(partial, overlay)
 
 
 def _names_on_disk(config: Config) -> set[str]:
