@@ -68,23 +68,32 @@ def booted(manager: SandboxManager) -> Iterator[Sandbox]:
             manager.destroy(name)
 
 
-def cli(*args: str, config: Config, check: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run the vmsandbox CLI as a separate process against ``config``'s state directory."""
-    env = {
-        **os.environ,
-        "VMSANDBOX_CONFIG": "/nonexistent",
-        "VMSANDBOX_STATE_DIR": str(config.state_dir),
-        "VMSANDBOX_IMAGE_DIR": str(config.images),
-        "VMSANDBOX_VIRT_TYPE": config.virt_type,
-        "VMSANDBOX_BOOT_TIMEOUT": str(config.boot_timeout),
-    }
+def cli_env(config: Config, **extra: str) -> dict[str, str]:
+    """The environment of a CLI process that works on ``config``'s libvirt and state directory."""
+    env = {k: v for k, v in os.environ.items() if k != "VMSANDBOX_CRASH_AT"}
+    env.update(
+        VMSANDBOX_CONFIG="/nonexistent",
+        VMSANDBOX_URI=config.uri,
+        VMSANDBOX_STATE_DIR=str(config.state_dir),
+        VMSANDBOX_IMAGE_DIR=str(config.images),
+        VMSANDBOX_VIRT_TYPE=config.virt_type,
+        VMSANDBOX_BOOT_TIMEOUT=str(config.boot_timeout),
+    )
+    env.update(extra)
+    return env
+
+
+def cli(
+    *args: str, config: Config, check: bool = False, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    """Run the vmsandbox CLI as a separate process against ``config``."""
     return subprocess.run(
         [sys.executable, "-m", "vmsandbox.cli", *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=cli_env(config),
         check=check,
-        timeout=900,
+        timeout=timeout,
     )
 
 
@@ -100,7 +109,7 @@ def leftovers(config: Config, name: str) -> list[str]:
         conn.lookupByName(f"vmsbx-{name}")
         found.append(f"domain vmsbx-{name}")
     except libvirt.libvirtError:
-        pass
+        pass  # no such domain: nothing left there
     finally:
         conn.close()
     return found

@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import cli, leftovers
+from conftest import cli, cli_env, leftovers
 from conftest_host import umockdev_run
 
 from vmsandbox.config import Config
@@ -18,14 +18,10 @@ from vmsandbox.config import Config
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _env(config: Config, env: dict[str, str]) -> dict[str, str]:
-    return {
-        **env,
-        "VMSANDBOX_CONFIG": "/nonexistent",
-        "VMSANDBOX_STATE_DIR": str(config.state_dir),
-        "VMSANDBOX_IMAGE_DIR": str(config.images),
-        "VMSANDBOX_VIRT_TYPE": "qemu",
-    }
+def _with_testbed(config: Config, umockdev_env: dict[str, str]) -> dict[str, str]:
+    """The CLI environment of ``config`` plus umockdev's testbed folder."""
+    testbed = {k: v for k, v in umockdev_env.items() if k == "TMPDIR"}
+    return cli_env(config, **testbed)
 
 
 def _under(host: str, config: Config, *command: str) -> subprocess.CompletedProcess[str]:
@@ -35,7 +31,7 @@ def _under(host: str, config: Config, *command: str) -> subprocess.CompletedProc
             capture_output=True,
             text=True,
             timeout=300,
-            env=_env(config, env),
+            env=_with_testbed(config, env),
             check=False,
         )
 
@@ -117,7 +113,7 @@ def test_concurrent_creates_never_share_a_gpu(config: Config):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=_env(config, env),
+                env=_with_testbed(config, env),
                 cwd=REPO,
             )
             for w in range(workers)

@@ -8,14 +8,13 @@ Guests are created with ``--no-wait`` (QEMU runs, nobody waits for SSH) to keep 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
 import pytest
-from conftest import cli, leftovers
+from conftest import cli, cli_env, leftovers
 
 from vmsandbox.config import Config
 from vmsandbox.spec import generate_name
@@ -27,14 +26,7 @@ SMALL = ("--memory", "256", "--no-wait")
 
 def in_parallel(config: Config, commands: Sequence[Sequence[str]]) -> list[tuple[int, str]]:
     """Start every CLI command at once (each its own process); their exit codes and stderr."""
-    env = {
-        **os.environ,
-        "VMSANDBOX_CONFIG": "/nonexistent",
-        "VMSANDBOX_URI": config.uri,
-        "VMSANDBOX_STATE_DIR": str(config.state_dir),
-        "VMSANDBOX_IMAGE_DIR": str(config.images),
-        "VMSANDBOX_VIRT_TYPE": config.virt_type,
-    }
+    env = cli_env(config)
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "vmsandbox.cli", *command],

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import libvirt
 import pytest
-from conftest import cli, leftovers
+from conftest import cli, cli_env, leftovers
 from conftest_host import umockdev_run
 
 from vmsandbox import domain as domain_xml
@@ -42,20 +42,6 @@ pytestmark = pytest.mark.libvirt
 STAGES = ("locked", "overlay", "defined", "started", "waiting")
 KILLS_PER_STAGE = 4  # 20 kills in one run
 SMALL = ("--memory", "256")  # the guest is killed long before it needs more
-
-
-def cli_env(config: Config, **extra: str) -> dict[str, str]:
-    """The environment of a CLI process that works on ``config``'s state directory."""
-    env = {k: v for k, v in os.environ.items() if k != "VMSANDBOX_CRASH_AT"}
-    env.update(
-        VMSANDBOX_CONFIG="/nonexistent",
-        VMSANDBOX_URI=config.uri,
-        VMSANDBOX_STATE_DIR=str(config.state_dir),
-        VMSANDBOX_IMAGE_DIR=str(config.images),
-        VMSANDBOX_VIRT_TYPE=config.virt_type,
-    )
-    env.update(extra)
-    return env
 
 
 def wait_for_output(proc: subprocess.Popen[bytes], marker: str, timeout: float = 90.0) -> str:

@@ -7,16 +7,14 @@ whichever step runs out of room: the keys (8 KiB), the overlay (64 KiB), the see
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import leftovers
+from conftest import cli, leftovers
 
 from vmsandbox.config import Config
 from vmsandbox.errors import VmSandboxError
@@ -52,25 +50,6 @@ def files_under(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir())
 
 
-def cli_run(config: Config, *args: str, umask: int | None = None) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "VMSANDBOX_CONFIG": "/nonexistent",
-        "VMSANDBOX_URI": config.uri,
-        "VMSANDBOX_STATE_DIR": str(config.state_dir),
-        "VMSANDBOX_IMAGE_DIR": str(config.images),
-        "VMSANDBOX_VIRT_TYPE": config.virt_type,
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "vmsandbox.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
-
-
 def assert_one_error_line(done: subprocess.CompletedProcess, path: Path) -> str:
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, done.stderr
@@ -101,7 +80,7 @@ def test_cli_create_on_a_full_state_disk_is_one_clear_error_line(
 ) -> None:
     cfg = replace(config, state_dir=tmpfs("64k") / "state")
     name = generate_name("t")
-    done = cli_run(cfg, "create", name, "--memory", "256", "--no-wait")
+    done = cli("create", name, "--memory", "256", "--no-wait", config=cfg, timeout=120)
     assert_one_error_line(done, cfg.state_dir)
     assert leftovers(cfg, name) == []
     assert files_under(cfg.state_dir) == ["host.lock"]
@@ -110,7 +89,7 @@ def test_cli_create_on_a_full_state_disk_is_one_clear_error_line(
 def test_a_read_only_state_directory_is_failed_precondition(config: Config, tmpfs: Mount) -> None:
     cfg = replace(config, state_dir=tmpfs(read_only=True) / "state")
     name = generate_name("t")
-    done = cli_run(cfg, "create", name, "--no-wait")
+    done = cli("create", name, "--no-wait", config=cfg, timeout=120)
     line = assert_one_error_line(done, cfg.state_dir)
     assert line.startswith("error: FAILED_PRECONDITION: ")
     assert leftovers(cfg, name) == []
@@ -134,7 +113,14 @@ def test_image_import_into_an_unwritable_image_dir_fails_clearly(
         ImageStore(root).import_image(small_image, "imported")
     assert caught.value.code in CLEAR_CODES, caught.value.to_dict()
     assert str(root) in caught.value.message
-    done = cli_run(replace(config, image_dir=root), "images", "import", str(small_image), "again")
+    done = cli(
+        "images",
+        "import",
+        str(small_image),
+        "again",
+        config=replace(config, image_dir=root),
+        timeout=120,
+    )
     assert_one_error_line(done, root)
     leftover = [f for f in files_under(root) if not f.endswith("/.lock")]
     assert leftover == []

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import libvirt
 import pytest
-from conftest import leftovers
+from conftest import cli, leftovers
 
 from vmsandbox.config import Config
 from vmsandbox.errors import Unavailable
@@ -157,25 +156,6 @@ def private_libvirtd() -> Iterator[PrivateLibvirtd]:
         daemon.teardown()
 
 
-def run_cli(config: Config, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "VMSANDBOX_CONFIG": "/nonexistent",
-        "VMSANDBOX_URI": config.uri,
-        "VMSANDBOX_STATE_DIR": str(config.state_dir),
-        "VMSANDBOX_IMAGE_DIR": str(config.images),
-        "VMSANDBOX_VIRT_TYPE": config.virt_type,
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "vmsandbox.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_a_sandbox_survives_a_libvirtd_restart(
     config: Config, private_libvirtd: PrivateLibvirtd
 ) -> None:
@@ -200,7 +180,7 @@ def test_a_sandbox_survives_a_libvirtd_restart(
                 ):
                     with pytest.raises(Unavailable):
                         call()
-                done = run_cli(cfg, "list")
+                done = cli("list", config=cfg, timeout=120)
                 assert done.returncode == 7, done.stderr
                 assert done.stderr.startswith("error: UNAVAILABLE: ")
                 assert "Traceback" not in done.stderr
@@ -213,7 +193,7 @@ def test_a_sandbox_survives_a_libvirtd_restart(
             assert states == {box: "ready", spare: "ready"}
             result = manager.exec(box, ["cat", "/etc/hostname"])
             assert (result.exit_status, result.stdout.strip()) == (0, box)
-            assert run_cli(cfg, "exec", box, "--", "true").returncode == 0
+            assert cli("exec", box, "--", "true", config=cfg, timeout=120).returncode == 0
             manager.destroy(spare)
             assert leftovers(cfg, spare) == []
             assert manager.exec(box, ["true"]).exit_status == 0
