@@ -67,7 +67,7 @@ def _cli_command() -> tuple[list[str], bool]:
         if run.returncode == 0 and "gpus" in json.loads(run.stdout):
             return cli, True
     except (OSError, ValueError, subprocess.TimeoutExpired):
-        pass
+        return [sys.executable, "-m", "vmsandbox.host"], False  # the CLI is not usable here
     return [sys.executable, "-m", "vmsandbox.host"], False
 
 

@@ -55,7 +55,7 @@ def cached(*, cache: Path) -> str | None:
         if data.get("host") == host_key():
             return "kvm" if data["kvm"] else "qemu"
     except (OSError, ValueError, KeyError, AttributeError):
-        pass
+        return None  # no cache yet, or an unreadable one: probe again
     return None
 
 
