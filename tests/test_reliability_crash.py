@@ -114,7 +114,7 @@ def assert_lock_free(config: Config) -> None:
     """The host lock is taken within a second: no dead holder keeps it."""
     started = time.monotonic()
     with host_lock(config.lock_path, timeout=1.0):
-        pass
+        pass  # taking it is the test
     assert time.monotonic() - started < 1.0
 
 
@@ -127,6 +127,13 @@ def domain_exists(uri: str, domain: str) -> bool:
         return False
     finally:
         conn.close()
+
+
+def stop_and_clean(proc: subprocess.Popen[bytes], config: Config, name: str) -> None:
+    """Test cleanup: the create process killed, and whatever it left removed."""
+    kill9(proc)
+    if leftovers(config, name):
+        force_remove(config, name)
 
 
 def force_remove(config: Config, name: str) -> None:
@@ -217,9 +224,7 @@ def test_kill_9_inside_a_helper_tool_leaves_nothing_anywhere(
         assert sorted(p.name for p in tmp.iterdir()) == []
         assert_lock_free(config)
     finally:
-        kill9(proc)
-        if leftovers(config, name):
-            force_remove(config, name)
+        stop_and_clean(proc, config, name)
 
 
 def test_a_killed_creator_not_yet_reaped_counts_as_dead(config: Config) -> None:
@@ -238,9 +243,7 @@ def test_a_killed_creator_not_yet_reaped_counts_as_dead(config: Config) -> None:
         assert name in report["removed"]
         assert leftovers(config, name) == []
     finally:
-        kill9(proc)
-        if leftovers(config, name):
-            force_remove(config, name)
+        stop_and_clean(proc, config, name)
 
 
 def test_gpu_create_killed_at_defined_frees_the_gpu_after_reconcile(config: Config) -> None:
@@ -289,9 +292,7 @@ def test_gpu_create_killed_at_defined_frees_the_gpu_after_reconcile(config: Conf
             assert gpus_cli(argv, env)[held[0]] is None
             assert leftovers(config, name) == []
         finally:
-            kill9(proc)
-            if leftovers(config, name):
-                force_remove(config, name)
+            stop_and_clean(proc, config, name)
 
 
 # -- reconcile --------------------------------------------------------------------------------
@@ -433,9 +434,7 @@ def test_reconcile_leaves_a_create_in_flight_alone(config: Config) -> None:
         assert name in reconcile_cli(config)["removed"]
         assert leftovers(config, name) == []
     finally:
-        kill9(proc)
-        if leftovers(config, name):
-            force_remove(config, name)
+        stop_and_clean(proc, config, name)
 
 
 def test_reconcile_removes_files_without_a_domain(config: Config) -> None:
