@@ -62,7 +62,7 @@ def _class_name(function: PciFunction) -> str:
 def _name(function: PciFunction, nvml_name: str | None) -> str | None:
     """hwdb, then pci.ids, then NVML, then the built-in table."""
     if function.hwdb_name:
-        return function.hwdb_name
+        return pci_ids.tidy_name(function.hwdb_name)
     name = pci_ids.device_name(function.vendor_id, function.device_id) or nvml_name
     if name:
         return name
