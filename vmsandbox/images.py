@@ -10,7 +10,8 @@ Layout under the image directory (one folder per image name, one per build)::
 
 ``id`` is the first 16 hex digits of the recipe's content hash (or of an imported file's hash), so
 a rebuild happens only when the recipe changes, and overlays of running sandboxes keep their old
-backing file when it does.
+backing file when it does. A build folder, once published, is never changed or replaced: a
+forced rebuild of an unchanged recipe goes to ``<id>-2`` (``-3``, ...) and moves ``current``.
 """
 
 from __future__ import annotations
@@ -154,8 +155,12 @@ class ImageStore:
         return BaseImage(name=name, id=path.name, path=path, meta=meta)
 
     def is_current(self, name: str, build_id: str) -> bool:
+        """Whether ``current`` is a build of ``build_id`` (the first one or a forced rebuild)."""
         current = self.root / name / "current"
-        return current.is_symlink() and os.readlink(current) == build_id
+        if not current.is_symlink():
+            return False
+        target = os.readlink(current)
+        return target == build_id or target.startswith(f"{build_id}-")
 
     def build(self, name: str, *, force: bool = False, progress: Progress = silent) -> BaseImage:
         """Build recipe ``name`` unless a build of the same recipe hash is already current."""
@@ -203,7 +208,8 @@ class ImageStore:
         folder = self.root / name
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
-        tmp = folder / f".build-{build_id}-{os.getpid()}"
+        folder_id = _unused_build_id(folder, build_id)
+        tmp = folder / f".build-{folder_id}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o755)
         started = time.monotonic()
@@ -212,7 +218,7 @@ class ImageStore:
             info = _qemu_img_info(tmp / "disk.qcow2")
             meta.update(
                 name=name,
-                id=build_id,
+                id=folder_id,
                 virtual_size=int(info["virtual-size"]),
                 file_size=(tmp / "disk.qcow2").stat().st_size,
                 built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -221,13 +227,11 @@ class ImageStore:
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             for child in tmp.iterdir():
                 os.chmod(child, 0o644)
-            final = folder / build_id
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
+            os.rename(tmp, folder / folder_id)  # fails rather than replace: the id is unused
             link = folder / f".current-{os.getpid()}"
             with contextlib.suppress(FileNotFoundError):
                 link.unlink()
-            link.symlink_to(build_id)
+            link.symlink_to(folder_id)
             os.replace(link, folder / "current")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -253,6 +257,16 @@ class ImageStore:
         with open(self.root / name / ".lock", "w") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
+
+
+def _unused_build_id(folder: Path, build_id: str) -> str:
+    """``build_id``, or ``build_id-N`` with the lowest N >= 2 that names no folder yet: sandboxes'
+    overlays back onto published folders, so a rebuild never reuses one."""
+    candidate, number = build_id, 1
+    while (folder / candidate).exists():
+        number += 1
+        candidate = f"{build_id}-{number}"
+    return candidate
 
 
 def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, Any]:
