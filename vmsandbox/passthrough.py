@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from lxml import etree
 
 from vmsandbox.domain import QEMU_NS
+from vmsandbox.host.bdf import canonical_bdf, parse_bdf
 from vmsandbox.host.model import Gpu
 from vmsandbox.numa import format_cpuset
 from vmsandbox.numa import host_cpus_by_node as host_cpus_by_node  # re-exported for callers
@@ -276,7 +277,7 @@ def _pin_node(
 
 def _functions(gpu: Gpu) -> tuple[str, ...]:
     """The card's functions (GPU and companions), by function number."""
-    return tuple(sorted((gpu.bdf, *gpu.companions), key=lambda bdf: int(bdf[-1])))
+    return tuple(sorted((gpu.bdf, *gpu.companions), key=lambda bdf: canonical_bdf(bdf)[-1]))
 
 
 def _largest_bar(gpu: Gpu) -> int:
@@ -286,9 +287,15 @@ def _largest_bar(gpu: Gpu) -> int:
 
 def _split_bdf(bdf: str) -> tuple[str, str, str, str]:
     """``0000:41:00.1`` as libvirt address attributes ``0x0000``, ``0x41``, ``0x00``, ``0x1``."""
-    domain, bus, device = bdf.split(":")
-    slot, function = device.split(".")
-    return f"0x{domain}", f"0x{bus}", f"0x{slot}", f"0x{function}"
+    address = parse_bdf(bdf)
+    if address is None:
+        raise ValueError(f"not a PCI address: {bdf!r}")
+    return (
+        f"0x{address.domain:04x}",
+        f"0x{address.bus:02x}",
+        f"0x{address.slot:02x}",
+        f"0x{address.function:x}",
+    )
 
 
 def _align_up(value: int, alignment: int) -> int:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import functools
 import os
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import pyudev
+if TYPE_CHECKING:  # imported on first use: parsers that need only vmsandbox.host.bdf skip it
+    import pyudev
 
 SYS_PCI_DEVICES = "/sys/bus/pci/devices"
 PCI_BRIDGE_CLASS = 0x0604
@@ -26,6 +28,8 @@ PCI_BRIDGE_CLASS = 0x0604
 @functools.cache
 def udev_context() -> pyudev.Context:
     """One pyudev context per process: creating one runs ``ldconfig -p`` to find libudev."""
+    import pyudev
+
     return pyudev.Context()
 
 
@@ -82,6 +86,8 @@ class PciFunction:
 
     @cached_property
     def _device(self) -> pyudev.Device:
+        import pyudev
+
         return pyudev.Devices.from_sys_path(udev_context(), self.sys_path)
 
     def _attribute(self, name: str) -> str | None:
