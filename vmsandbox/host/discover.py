@@ -27,8 +27,8 @@ from .nvml import NvmlApi, NvmlGpu, NvmlReport, read_nvml
 from .processes import device_node_holders, nvidia_minors, process_name
 from .sysfs import PciFunction, scan_pci
 
-NVIDIA = "0x10de"
-AMD = "0x1002"
+NVIDIA = pci_ids.NVIDIA_VENDOR_ID
+AMD = pci_ids.AMD_VENDOR_ID
 VENDORS = {NVIDIA: "nvidia", AMD: "amd"}
 # (vendor, class >> 8) of GPUs and of fabric devices
 GPU_CLASSES = {(NVIDIA, 0x0300), (NVIDIA, 0x0302), (AMD, 0x0300), (AMD, 0x0380), (AMD, 0x1200)}

@@ -12,6 +12,10 @@ import re
 from typing import NamedTuple
 
 PCI_IDS_PATH = "/usr/share/misc/pci.ids"
+# Vendor and device ids are spelled as sysfs spells them everywhere in vmsandbox: "0x" and four
+# lowercase hex digits. Tools that print them otherwise (lspci's "10de") go through ``pci_id``.
+NVIDIA_VENDOR_ID = "0x10de"
+AMD_VENDOR_ID = "0x1002"
 
 
 class KnownPart(NamedTuple):
@@ -41,6 +45,11 @@ KNOWN_PARTS: dict[tuple[str, str], KnownPart] = {
 # "GH100[H100 SXM5 80GB]"; every other entry, and later releases, put a space before "[".
 _BRACKET_AFTER_WORD = re.compile(r"(?<=\S)\[")
 _NEXT_SECTION = re.compile(r"^(?:[0-9a-f]{4}|C [0-9a-f]{2})  ", re.MULTILINE)
+
+
+def pci_id(text: str) -> str:
+    """A vendor or device id in vmsandbox's spelling: ``10DE``, ``0x10de`` -> ``0x10de``."""
+    return "0x" + text.strip().lower().removeprefix("0x").zfill(4)
 
 
 def known_part(vendor_id: str, device_id: str) -> KnownPart | None:
