@@ -24,7 +24,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import time
 import tomllib
 from collections.abc import Iterator
@@ -38,10 +37,10 @@ from vmsandbox.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    VmSandboxError,
 )
 from vmsandbox.progress import Progress, silent
 from vmsandbox.spec import validate_image_name
+from vmsandbox.tools import run_streaming, run_tool, write_with_tool
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "images"
 # Bump when the build steps below change what a recipe produces.
@@ -196,7 +195,7 @@ class ImageStore:
 
             def convert(tmp: Path) -> dict[str, Any]:
                 progress(f"converting {source} to qcow2")
-                _run(
+                run_tool(
                     ["qemu-img", "convert", "-O", "qcow2", str(source), str(tmp / "disk.qcow2")],
                     error=FailedPrecondition,  # the source was read fine: writing here failed
                 )
@@ -294,7 +293,7 @@ def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, An
         *mirror_lines(suite, components),
     ]
     progress(f"mmdebstrap {suite}: {len(packages)} packages ({', '.join(components)})")
-    _run_streaming(command, progress, prefix="mmdebstrap: ")
+    run_streaming(command, progress, message=_mmdebstrap_message)
     boot = rootdir / "boot"
     kernels = sorted(boot.glob("vmlinuz-*"))
     initrds = sorted(boot.glob("initrd.img-*"))
@@ -307,10 +306,10 @@ def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, An
     size_mib = (used * 12 // 10) // 2**20 + int(data.get("headroom_mib", 512))
     progress(f"making ext4 filesystem ({size_mib} MiB, {used // 2**20} MiB of files)")
     raw = tmp / "disk.raw"
-    _run(["mkfs.ext4", "-q", "-F", "-L", "root", "-d", str(rootdir), str(raw), f"{size_mib}M"])
+    run_tool(["mkfs.ext4", "-q", "-F", "-L", "root", "-d", str(rootdir), str(raw), f"{size_mib}M"])
     shutil.rmtree(rootdir)
     progress("converting to qcow2")
-    _run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(tmp / "disk.qcow2")])
+    run_tool(["qemu-img", "convert", "-O", "qcow2", str(raw), str(tmp / "disk.qcow2")])
     raw.unlink()
     return {
         "kind": "recipe",
@@ -326,30 +325,19 @@ def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, An
 
 def make_overlay(base: Path, overlay: Path, disk_gib: int) -> None:
     """A qcow2 overlay of ``disk_gib`` GiB on base image ``base`` (0600, written atomically)."""
-    partial = overlay.with_name(overlay.name + ".partial")
-    done = subprocess.run(
-        [
-            "qemu-img",
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            str(base),
-            str(partial),
-            f"{disk_gib}G",
+    write_with_tool(
+        overlay,
+        lambda partial: [
+            *("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2"),
+            *("-b", str(base), str(partial), f"{disk_gib}G"),
         ],
-        capture_output=True,
-        text=True,
-        check=False,
+        what=f"cannot create overlay {overlay}",
     )
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise FailedPrecondition(f"cannot create overlay {overlay}: {done.stderr.strip()}")
-    os.chmod(partial, 0o600)
-    os.replace(partial, overlay)
+
+
+def _mmdebstrap_message(line: str) -> str | None:
+    """mmdebstrap's info, warning and error lines, as progress messages."""
+    return f"mmdebstrap: {line[3:]}" if line.startswith(("I: ", "E: ", "W: ")) else None
 
 
 def _tree_size(root: Path) -> int:
@@ -370,7 +358,7 @@ def _file_hash(path: Path) -> str:
 
 
 def _qemu_img_info(path: Path) -> dict[str, Any]:
-    out = _run(["qemu-img", "info", "--output=json", str(path)])
+    out = run_tool(["qemu-img", "info", "--output=json", str(path)])
     return json.loads(out)
 
 
@@ -379,34 +367,4 @@ def _require_tools(*tools: str) -> None:
     if missing:
         raise FailedPrecondition(
             f"missing tools for image builds: {', '.join(missing)}; run the setup (make setup)"
-        )
-
-
-def _run(command: list[str], error: type[VmSandboxError] = VmSandboxError) -> str:
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-    except OSError as exc:
-        raise FailedPrecondition(f"cannot run {command[0]}: {exc}") from exc
-    if done.returncode != 0:
-        raise error(f"{command[0]} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    return done.stdout
-
-
-def _run_streaming(command: list[str], progress: Progress, prefix: str) -> None:
-    """Run ``command``, turning each of its output lines into a progress message."""
-    tail: list[str] = []
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            if not line:
-                continue
-            tail = [*tail[-40:], line]
-            if line.startswith(("I: ", "E: ", "W: ")):
-                progress(prefix + line[3:])
-    if proc.returncode != 0:
-        raise VmSandboxError(
-            f"{command[0]} failed (exit {proc.returncode}):\n" + "\n".join(tail[-25:])
         )
