@@ -39,10 +39,11 @@ from vmsandbox.errors import (
     ResourceExhausted,
 )
 from vmsandbox.progress import Progress, silent
+from vmsandbox.resources import RECIPES
 from vmsandbox.spec import validate_image_name
 from vmsandbox.tools import run_streaming, run_tool, write_with_tool
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "images"
+RECIPE_DIR = RECIPES
 # Bump when the build steps below change what a recipe produces.
 BUILDER_VERSION = "1"
 KERNEL_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 biosdevname=0"
