@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vmsandbox.host.bdf import Bdf, canonical_bdf, canonical_slot, format_bdf, parse_bdf, slot_of
+from vmsandbox.host.bdf import (
+    Bdf,
+    canonical_bdf,
+    canonical_slot,
+    format_bdf,
+    libvirt_address,
+    parse_bdf,
+    slot_of,
+)
 
 
 @pytest.mark.parametrize(
@@ -59,3 +67,14 @@ def test_parse_bdf_reads_libvirt_node_device_names_on_request() -> None:
 )
 def test_canonical_slot(text: str, slot: str | None) -> None:
     assert canonical_slot(text) == slot
+
+
+def test_libvirt_address_attributes() -> None:
+    assert libvirt_address("41:00.1") == {
+        "domain": "0x0000",
+        "bus": "0x41",
+        "slot": "0x00",
+        "function": "0x1",
+    }
+    with pytest.raises(ValueError, match="not a PCI address"):
+        libvirt_address("0000:41:20.0")

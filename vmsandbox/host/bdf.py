@@ -72,6 +72,19 @@ def canonical_bdf(text: str) -> str:
     return str(bdf)
 
 
+def libvirt_address(text: str) -> dict[str, str]:
+    """A PCI address as the attributes of libvirt's ``<address>``: ``0000:41:00.1`` ->
+    domain ``0x0000``, bus ``0x41``, slot ``0x00``, function ``0x1``. ValueError if not one."""
+    bdf = parse_bdf(canonical_bdf(text))
+    assert bdf is not None  # canonical_bdf raised otherwise
+    return {
+        "domain": f"0x{bdf.domain:04x}",
+        "bus": f"0x{bdf.bus:02x}",
+        "slot": f"0x{bdf.slot:02x}",
+        "function": f"0x{bdf.function:x}",
+    }
+
+
 def canonical_slot(text: str) -> str | None:
     """``0000:41:00`` from a ``domain:bus:device`` of any domain width or case; None if not one."""
     match = _SLOT.fullmatch(text.strip())

@@ -18,6 +18,8 @@ import os
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from .pci_ids import pci_id
+
 if TYPE_CHECKING:  # imported on first use: parsers that need only vmsandbox.host.bdf skip it
     import pyudev
 
@@ -65,8 +67,8 @@ class PciFunction:
         self.sys_path = sys_path
         uevent = _read_uevent(sys_path)
         vendor, _, device = uevent.get("PCI_ID", "0:0").partition(":")
-        self.vendor_id = f"0x{int(vendor, 16):04x}"
-        self.device_id = f"0x{int(device or '0', 16):04x}"
+        self.vendor_id = pci_id(vendor)
+        self.device_id = pci_id(device or "0")
         self.class_code = int(uevent.get("PCI_CLASS", "0"), 16)
         self.driver: str | None = uevent.get("DRIVER")
         self.iommu_group = _read_group(sys_path)
