@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vmsandbox.tables import render_grid
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 VMSANDBOX = str(Path(sys.executable).parent / "vmsandbox")
@@ -498,12 +500,8 @@ def fmt_time(seconds: float, unit: str) -> str:
 
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain text table, columns padded to their widest cell."""
-    widths = [max(len(row[i]) for row in (headers, *rows)) for i in range(len(headers))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in (headers, *rows)
-    )
+    """A plain text table, columns padded to their widest cell (vmsandbox's own renderer)."""
+    return "\n".join(render_grid(headers, rows))
 
 
 def comparison_rows(comparison: Comparison) -> list[tuple[str, str, str]]:

@@ -249,7 +249,7 @@ def test_named_device_failing_a_filter(hosts: dict[str, Inventory]) -> None:
         "field": "model",
         "filtered_out": {
             "0000:18:00.0": {
-                "model": "its name 'GH100[H100 SXM5 80GB]' does not match 'A100'",
+                "model": "its name 'GH100 [H100 SXM5 80GB]' does not match 'A100'",
                 "min_memory_mib": "it has 81559 MiB, 100000 MiB asked",
             }
         },

@@ -121,7 +121,7 @@ def test_hgx_lists_eight_h100_with_every_field(hgx: list[dict[str, Any]]) -> Non
             "vendor_id": "0x10de",
             "device_id": "0x2330",
             "class_id": "0x030200",
-            "name": "GH100[H100 SXM5 80GB]",
+            "name": "GH100 [H100 SXM5 80GB]",
             "driver": driver,
             "numa_node": numa,
             "iommu_group": group,
@@ -184,7 +184,7 @@ def test_nvml_enrichment_through_the_seam(hgx: list[dict[str, Any]]) -> None:
     assert gpus["0000:41:00.0"]["memory_source"] == "nvml"
     assert (gpus["0000:c2:00.0"]["memory_mib"], gpus["0000:c2:00.0"]["uuid"]) == (81000, "GPU-c2")
     # hwdb names win over NVML's
-    assert gpus["0000:41:00.0"]["name"] == "GH100[H100 SXM5 80GB]"
+    assert gpus["0000:41:00.0"]["name"] == "GH100 [H100 SXM5 80GB]"
     # NVML could not read 9b; vfio-pci GPUs are never NVML's: both fall back to the table
     for bdf in ["0000:9b:00.0", "0000:18:00.0"]:
         assert (gpus[bdf]["memory_source"], gpus[bdf]["uuid"]) == ("pci-id", None)
@@ -229,7 +229,8 @@ def test_hgx_table(hgx: list[dict[str, Any]]) -> None:
         "5",
         "0000:9b:00.0",
         "nvidia",
-        "GH100[H100",
+        "GH100",
+        "[H100",
         "SXM5",
         "80GB]",
         "81559",

@@ -15,7 +15,9 @@ from typing import Any
 
 from lxml import etree
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "domain.xml"
+from vmsandbox.resources import TEMPLATES
+
+TEMPLATE = TEMPLATES / "domain.xml"
 METADATA_NS = "https://vmsandbox.dev/xmlns/sandbox/1"
 METADATA_KEY = "vmsandbox"
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"

@@ -10,7 +10,8 @@ Layout under the image directory (one folder per image name, one per build)::
 
 ``id`` is the first 16 hex digits of the recipe's content hash (or of an imported file's hash), so
 a rebuild happens only when the recipe changes, and overlays of running sandboxes keep their old
-backing file when it does.
+backing file when it does. A build folder, once published, is never changed or replaced: a
+forced rebuild of an unchanged recipe goes to ``<id>-2`` (``-3``, ...) and moves ``current``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import time
 import tomllib
 from collections.abc import Iterator
@@ -37,12 +37,13 @@ from vmsandbox.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    VmSandboxError,
 )
 from vmsandbox.progress import Progress, silent
+from vmsandbox.resources import RECIPES
 from vmsandbox.spec import validate_image_name
+from vmsandbox.tools import run_streaming, run_tool, write_with_tool
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "images"
+RECIPE_DIR = RECIPES
 # Bump when the build steps below change what a recipe produces.
 BUILDER_VERSION = "1"
 KERNEL_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 biosdevname=0"
@@ -154,8 +155,12 @@ class ImageStore:
         return BaseImage(name=name, id=path.name, path=path, meta=meta)
 
     def is_current(self, name: str, build_id: str) -> bool:
+        """Whether ``current`` is a build of ``build_id`` (the first one or a forced rebuild)."""
         current = self.root / name / "current"
-        return current.is_symlink() and os.readlink(current) == build_id
+        if not current.is_symlink():
+            return False
+        target = os.readlink(current)
+        return target == build_id or target.startswith(f"{build_id}-")
 
     def build(self, name: str, *, force: bool = False, progress: Progress = silent) -> BaseImage:
         """Build recipe ``name`` unless a build of the same recipe hash is already current."""
@@ -191,7 +196,7 @@ class ImageStore:
 
             def convert(tmp: Path) -> dict[str, Any]:
                 progress(f"converting {source} to qcow2")
-                _run(
+                run_tool(
                     ["qemu-img", "convert", "-O", "qcow2", str(source), str(tmp / "disk.qcow2")],
                     error=FailedPrecondition,  # the source was read fine: writing here failed
                 )
@@ -203,7 +208,8 @@ class ImageStore:
         folder = self.root / name
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
-        tmp = folder / f".build-{build_id}-{os.getpid()}"
+        folder_id = _unused_build_id(folder, build_id)
+        tmp = folder / f".build-{folder_id}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o755)
         started = time.monotonic()
@@ -212,7 +218,7 @@ class ImageStore:
             info = _qemu_img_info(tmp / "disk.qcow2")
             meta.update(
                 name=name,
-                id=build_id,
+                id=folder_id,
                 virtual_size=int(info["virtual-size"]),
                 file_size=(tmp / "disk.qcow2").stat().st_size,
                 built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -221,13 +227,11 @@ class ImageStore:
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             for child in tmp.iterdir():
                 os.chmod(child, 0o644)
-            final = folder / build_id
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
+            os.rename(tmp, folder / folder_id)  # fails rather than replace: the id is unused
             link = folder / f".current-{os.getpid()}"
             with contextlib.suppress(FileNotFoundError):
                 link.unlink()
-            link.symlink_to(build_id)
+            link.symlink_to(folder_id)
             os.replace(link, folder / "current")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -255,6 +259,16 @@ class ImageStore:
             yield
 
 
+def _unused_build_id(folder: Path, build_id: str) -> str:
+    """``build_id``, or ``build_id-N`` with the lowest N >= 2 that names no folder yet: sandboxes'
+    overlays back onto published folders, so a rebuild never reuses one."""
+    candidate, number = build_id, 1
+    while (folder / candidate).exists():
+        number += 1
+        candidate = f"{build_id}-{number}"
+    return candidate
+
+
 def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, Any]:
     data = recipe.data
     suite = str(data.get("suite", "bookworm"))
@@ -280,7 +294,7 @@ def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, An
         *mirror_lines(suite, components),
     ]
     progress(f"mmdebstrap {suite}: {len(packages)} packages ({', '.join(components)})")
-    _run_streaming(command, progress, prefix="mmdebstrap: ")
+    run_streaming(command, progress, message=_mmdebstrap_message)
     boot = rootdir / "boot"
     kernels = sorted(boot.glob("vmlinuz-*"))
     initrds = sorted(boot.glob("initrd.img-*"))
@@ -293,10 +307,10 @@ def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, An
     size_mib = (used * 12 // 10) // 2**20 + int(data.get("headroom_mib", 512))
     progress(f"making ext4 filesystem ({size_mib} MiB, {used // 2**20} MiB of files)")
     raw = tmp / "disk.raw"
-    _run(["mkfs.ext4", "-q", "-F", "-L", "root", "-d", str(rootdir), str(raw), f"{size_mib}M"])
+    run_tool(["mkfs.ext4", "-q", "-F", "-L", "root", "-d", str(rootdir), str(raw), f"{size_mib}M"])
     shutil.rmtree(rootdir)
     progress("converting to qcow2")
-    _run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(tmp / "disk.qcow2")])
+    run_tool(["qemu-img", "convert", "-O", "qcow2", str(raw), str(tmp / "disk.qcow2")])
     raw.unlink()
     return {
         "kind": "recipe",
@@ -312,30 +326,19 @@ def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, An
 
 def make_overlay(base: Path, overlay: Path, disk_gib: int) -> None:
     """A qcow2 overlay of ``disk_gib`` GiB on base image ``base`` (0600, written atomically)."""
-    partial = overlay.with_name(overlay.name + ".partial")
-    done = subprocess.run(
-        [
-            "qemu-img",
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            str(base),
-            str(partial),
-            f"{disk_gib}G",
+    write_with_tool(
+        overlay,
+        lambda partial: [
+            *("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2"),
+            *("-b", str(base), str(partial), f"{disk_gib}G"),
         ],
-        capture_output=True,
-        text=True,
-        check=False,
+        what=f"cannot create overlay {overlay}",
     )
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise FailedPrecondition(f"cannot create overlay {overlay}: {done.stderr.strip()}")
-    os.chmod(partial, 0o600)
-    os.replace(partial, overlay)
+
+
+def _mmdebstrap_message(line: str) -> str | None:
+    """mmdebstrap's info, warning and error lines, as progress messages."""
+    return f"mmdebstrap: {line[3:]}" if line.startswith(("I: ", "E: ", "W: ")) else None
 
 
 def _tree_size(root: Path) -> int:
@@ -356,7 +359,7 @@ def _file_hash(path: Path) -> str:
 
 
 def _qemu_img_info(path: Path) -> dict[str, Any]:
-    out = _run(["qemu-img", "info", "--output=json", str(path)])
+    out = run_tool(["qemu-img", "info", "--output=json", str(path)])
     return json.loads(out)
 
 
@@ -365,34 +368,4 @@ def _require_tools(*tools: str) -> None:
     if missing:
         raise FailedPrecondition(
             f"missing tools for image builds: {', '.join(missing)}; run the setup (make setup)"
-        )
-
-
-def _run(command: list[str], error: type[VmSandboxError] = VmSandboxError) -> str:
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-    except OSError as exc:
-        raise FailedPrecondition(f"cannot run {command[0]}: {exc}") from exc
-    if done.returncode != 0:
-        raise error(f"{command[0]} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    return done.stdout
-
-
-def _run_streaming(command: list[str], progress: Progress, prefix: str) -> None:
-    """Run ``command``, turning each of its output lines into a progress message."""
-    tail: list[str] = []
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            if not line:
-                continue
-            tail = [*tail[-40:], line]
-            if line.startswith(("I: ", "E: ", "W: ")):
-                progress(prefix + line[3:])
-    if proc.returncode != 0:
-        raise VmSandboxError(
-            f"{command[0]} failed (exit {proc.returncode}):\n" + "\n".join(tail[-25:])
         )

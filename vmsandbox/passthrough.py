@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from lxml import etree
 
 from vmsandbox.domain import QEMU_NS
+from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.host.model import Gpu
 from vmsandbox.numa import format_cpuset
 from vmsandbox.numa import host_cpus_by_node as host_cpus_by_node  # re-exported for callers
@@ -220,15 +221,9 @@ def _add_gpus(devices: etree._Element, slots: Sequence[Sequence[str]]) -> None:
         controllers.append(port)
         for bdf in functions:
             hostdev = etree.Element("hostdev", mode="subsystem", type="pci", managed="yes")
-            domain, host_bus, slot, function = _split_bdf(bdf)
-            etree.SubElement(
-                etree.SubElement(hostdev, "source"),
-                "address",
-                domain=domain,
-                bus=host_bus,
-                slot=slot,
-                function=function,
-            )
+            source = libvirt_address(bdf)
+            etree.SubElement(etree.SubElement(hostdev, "source"), "address", **source)
+            function = source["function"]
             guest = etree.SubElement(
                 hostdev,
                 "address",
@@ -276,19 +271,14 @@ def _pin_node(
 
 def _functions(gpu: Gpu) -> tuple[str, ...]:
     """The card's functions (GPU and companions), by function number."""
-    return tuple(sorted((gpu.bdf, *gpu.companions), key=lambda bdf: int(bdf[-1])))
+    return tuple(
+        sorted((gpu.bdf, *gpu.companions), key=lambda bdf: libvirt_address(bdf)["function"])
+    )
 
 
 def _largest_bar(gpu: Gpu) -> int:
     """Alignment of the GPU's prefetchable window: its largest 64-bit prefetchable BAR."""
     return max((bar.size for bar in gpu.bars if bar.is_64bit and bar.prefetchable), default=1)
-
-
-def _split_bdf(bdf: str) -> tuple[str, str, str, str]:
-    """``0000:41:00.1`` as libvirt address attributes ``0x0000``, ``0x41``, ``0x00``, ``0x1``."""
-    domain, bus, device = bdf.split(":")
-    slot, function = device.split(".")
-    return f"0x{domain}", f"0x{bus}", f"0x{slot}", f"0x{function}"
 
 
 def _align_up(value: int, alignment: int) -> int:

@@ -7,15 +7,14 @@ quotes every value, so no name or key can inject configuration.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.keys import KeyPair, write_private
+from vmsandbox.tools import write_with_tool
 
 
 def user_data(hostname: str, user: str, client: KeyPair, host: KeyPair) -> dict[str, Any]:
@@ -90,26 +89,11 @@ def write_seed(
         }
         for name, text in files.items():
             write_private(Path(tmp) / name, text)
-        partial = path.with_name(path.name + ".partial")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.close(fd)
-        done = subprocess.run(
-            [
-                "genisoimage",
-                "-quiet",
-                "-output",
-                str(partial),
-                "-volid",
-                "cidata",
-                "-joliet",
-                "-rock",
-                *(str(Path(tmp) / name) for name in files),
+        write_with_tool(
+            path,
+            lambda partial: [
+                *("genisoimage", "-quiet", "-output", str(partial), "-volid", "cidata"),
+                *("-joliet", "-rock", *(str(Path(tmp) / name) for name in files)),
             ],
-            capture_output=True,
-            text=True,
-            check=False,
+            what=f"genisoimage failed writing {path}",
         )
-        if done.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise FailedPrecondition(f"genisoimage failed writing {path}: {done.stderr.strip()}")
-        os.replace(partial, path)

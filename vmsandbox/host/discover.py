@@ -27,8 +27,8 @@ from .nvml import NvmlApi, NvmlGpu, NvmlReport, read_nvml
 from .processes import device_node_holders, nvidia_minors, process_name
 from .sysfs import PciFunction, scan_pci
 
-NVIDIA = "0x10de"
-AMD = "0x1002"
+NVIDIA = pci_ids.NVIDIA_VENDOR_ID
+AMD = pci_ids.AMD_VENDOR_ID
 VENDORS = {NVIDIA: "nvidia", AMD: "amd"}
 # (vendor, class >> 8) of GPUs and of fabric devices
 GPU_CLASSES = {(NVIDIA, 0x0300), (NVIDIA, 0x0302), (AMD, 0x0300), (AMD, 0x0380), (AMD, 0x1200)}
@@ -62,7 +62,7 @@ def _class_name(function: PciFunction) -> str:
 def _name(function: PciFunction, nvml_name: str | None) -> str | None:
     """hwdb, then pci.ids, then NVML, then the built-in table."""
     if function.hwdb_name:
-        return function.hwdb_name
+        return pci_ids.tidy_name(function.hwdb_name)
     name = pci_ids.device_name(function.vendor_id, function.device_id) or nvml_name
     if name:
         return name

@@ -16,8 +16,12 @@ from __future__ import annotations
 import functools
 import os
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import pyudev
+from .pci_ids import pci_id
+
+if TYPE_CHECKING:  # imported on first use: parsers that need only vmsandbox.host.bdf skip it
+    import pyudev
 
 SYS_PCI_DEVICES = "/sys/bus/pci/devices"
 PCI_BRIDGE_CLASS = 0x0604
@@ -26,6 +30,8 @@ PCI_BRIDGE_CLASS = 0x0604
 @functools.cache
 def udev_context() -> pyudev.Context:
     """One pyudev context per process: creating one runs ``ldconfig -p`` to find libudev."""
+    import pyudev
+
     return pyudev.Context()
 
 
@@ -61,8 +67,8 @@ class PciFunction:
         self.sys_path = sys_path
         uevent = _read_uevent(sys_path)
         vendor, _, device = uevent.get("PCI_ID", "0:0").partition(":")
-        self.vendor_id = f"0x{int(vendor, 16):04x}"
-        self.device_id = f"0x{int(device or '0', 16):04x}"
+        self.vendor_id = pci_id(vendor)
+        self.device_id = pci_id(device or "0")
         self.class_code = int(uevent.get("PCI_CLASS", "0"), 16)
         self.driver: str | None = uevent.get("DRIVER")
         self.iommu_group = _read_group(sys_path)
@@ -82,6 +88,8 @@ class PciFunction:
 
     @cached_property
     def _device(self) -> pyudev.Device:
+        import pyudev
+
         return pyudev.Devices.from_sys_path(udev_context(), self.sys_path)
 
     def _attribute(self, name: str) -> str | None:
