@@ -419,6 +419,7 @@ class SandboxManager:
                 host=host,
                 network=network_config(mac, user_net=self.config.network == "user"),
                 workdir=paths.keys,  # its files hold the host key: never outside the state dir
+                guest=spec.guest,
             )
         port = self._free_port() if self.config.network == "user" else None
         record = {
