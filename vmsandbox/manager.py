@@ -53,6 +53,8 @@ if TYPE_CHECKING:  # importing vmsandbox.host loads pyudev: only GPU paths pay f
 STATE_CREATING = "creating"
 STATE_READY = "ready"
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
+STATE_STARTING = "starting"  # started by start(); ready once SSH answers (wait())
+STATE_FAILED = "failed"  # started, but the guest did not come up; the record says why
 
 
 @dataclass
@@ -702,6 +704,98 @@ class SandboxManager:
             *(["--", *command] if command else []),
         ]
 
+    # -- power ---------------------------------------------------------------------------------
+
+    def stop(self, name: str, *, grace: float = 60.0) -> Sandbox:
+        """Shut the guest down, disk and GPUs kept: ACPI power button, then power off after
+        ``grace`` seconds. Idempotent: a stopped sandbox is left as it is.
+
+        A stopped sandbox keeps its GPUs: the hostdevs of an inactive domain still count as
+        held (vmsandbox.host.holders), so no other sandbox takes them meanwhile.
+        """
+        validate_name(name)
+        _check_timeout(grace)
+        found = self._lookup(name)
+        if found is None:
+            raise NotFound(f"sandbox {name!r} does not exist", details={"name": name})
+        dom = found[0]
+        with contextlib.suppress(libvirt.libvirtError):
+            dom.shutdown()
+        deadline = time.monotonic() + grace
+        while _active(dom) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if _active(dom):
+            try:
+                dom.destroy()
+            except libvirt.libvirtError as exc:
+                if _active(dom):
+                    with libvirt_errors(f"stopping sandbox {name!r}"):
+                        raise exc from None
+        return self._sandbox(dom, *self._read(dom))
+
+    def start(
+        self, name: str, *, wait: bool = True, verify: bool = True, timeout: float | None = None
+    ) -> Sandbox:
+        """Start a stopped (or only defined) sandbox; with ``wait``, return once it is ready
+        (see ``wait``). Idempotent: a running sandbox is returned as it is.
+
+        The GPUs it holds are passed through again; when one has gone from the host (removed,
+        or taken by a host driver) libvirt refuses the start: FAILED_PRECONDITION with
+        libvirt's words, and the sandbox stays defined and stopped.
+        """
+        validate_name(name)
+        _check_timeout(timeout)
+        found = self._lookup(name)
+        if found is None:
+            raise NotFound(f"sandbox {name!r} does not exist", details={"name": name})
+        dom, _record, state = found
+        if state == STATE_CREATING:
+            raise FailedPrecondition(
+                f"sandbox {name!r} is still being created", details={"name": name}
+            )
+        if _active(dom):
+            return self._sandbox(*found)
+        self._set_state(dom, STATE_STARTING, failure=None)
+        with libvirt_errors(f"starting sandbox {name!r}"):
+            dom.create()
+        if wait:
+            return self.wait(name, verify=verify, timeout=timeout)
+        return self._sandbox(dom, *self._read(dom))
+
+    def wait(self, name: str, *, verify: bool = True, timeout: float | None = None) -> Sandbox:
+        """Wait until a started sandbox answers SSH, verify its GPUs from inside (``verify``),
+        and mark it ready. A guest that does not come up is marked failed, with the reason in
+        its record (``failure``), and the error is raised; a failed verification raises
+        GuestVerificationFailed with the report stored."""
+        _check_timeout(timeout)
+        sandbox = self.get(name)
+        found = self._lookup(name)
+        assert found is not None
+        dom = found[0]
+        if timeout is None:
+            from vmsandbox.verify import boot_timeout
+
+            timeout = boot_timeout(self.config.boot_timeout, sandbox.memory_mib, len(sandbox.gpus))
+        paths = SandboxPaths.of(self.config, name)
+        try:
+            sandbox.boot_seconds = self._wait_ssh(dom, sandbox, paths, timeout, self.progress)
+            sandbox.verification = self._verify(dom, sandbox) if verify else None
+        except VmSandboxError as exc:
+            with contextlib.suppress(VmSandboxError):
+                self._set_state(
+                    dom, STATE_FAILED, failure={"code": exc.code, "message": exc.message}
+                )
+            raise
+        self._set_state(dom, STATE_READY, verification=sandbox.verification, failure=None)
+        sandbox.state = STATE_READY
+        if sandbox.verification is not None and not sandbox.verification["ok"]:
+            from vmsandbox.verify import VerificationReport, raise_if_failed
+
+            raise_if_failed(
+                VerificationReport.from_dict(sandbox.verification), subject=f"sandbox {name!r}"
+            )
+        return sandbox
+
     # -- destroy ------------------------------------------------------------------------------
 
     def destroy(self, name: str) -> None:
@@ -808,6 +902,14 @@ def _names_domain(record: dict[str, Any], domain: str) -> bool:
     except InvalidArgument:
         return False
     return domain == domain_xml.DOMAIN_PREFIX + name
+
+
+def _active(dom: libvirt.virDomain) -> bool:
+    """Whether the domain runs; a domain that vanished does not."""
+    try:
+        return dom.isActive() == 1
+    except libvirt.libvirtError:
+        return False
 
 
 def _check_timeout(timeout: float | None) -> None:
