@@ -78,6 +78,7 @@ class Sandbox:
     labels: dict[str, str] = field(default_factory=dict)
     verification: dict[str, Any] | None = None
     boot_seconds: float | None = None
+    failure: dict[str, Any] | None = None  # state failed: {code, message} of why (see wait())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -102,6 +103,7 @@ class Sandbox:
             "labels": self.labels,
             "verification": self.verification,
             "boot_seconds": self.boot_seconds,
+            "failure": self.failure,
         }
 
 
@@ -618,6 +620,7 @@ class SandboxManager:
             gpus=list(record.get("gpus", [])),
             labels=dict(record.get("labels", {})),
             verification=record.get("verification"),
+            failure=record.get("failure"),
         )
 
     def get(self, name: str) -> Sandbox:
