@@ -50,6 +50,8 @@ class Config:
     numa_pinning: bool = True
     ovmf_code: Path = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
     ovmf_vars: Path = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+    # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver socket.
+    openshell_allowed_uids: tuple[int, ...] = ()
 
     @property
     def images(self) -> Path:
@@ -87,6 +89,15 @@ class Config:
         return _coerce(cls(), values, file)
 
 
+def _uids(raw: Any) -> tuple[int, ...]:
+    """A list of uids: a TOML list of integers, or a comma-separated string (environment)."""
+    items = raw if isinstance(raw, list) else [part for part in str(raw).split(",") if part]
+    uids = tuple(int(item) for item in items)
+    if any(uid < 0 for uid in uids):
+        raise ValueError(f"uids are not negative, got {list(uids)}")
+    return uids
+
+
 def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
     known = {f.name: f for f in fields(Config)}
     changes: dict[str, Any] = {}
@@ -98,7 +109,9 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
             )
         default = getattr(base, key)
         try:
-            if isinstance(default, bool):
+            if isinstance(default, tuple):
+                value = _uids(raw)
+            elif isinstance(default, bool):
                 value: Any = (
                     raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
                 )

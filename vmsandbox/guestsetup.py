@@ -34,7 +34,7 @@ class GuestFile:
     """One file for the guest: absolute path, text, octal mode string and ``user:group``."""
 
     path: str
-    content: str
+    content: str = field(repr=False)  # may be a secret: never in a repr, a log or a traceback
     mode: str = "0644"
     owner: str = "root:root"
 
