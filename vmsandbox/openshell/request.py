@@ -115,19 +115,8 @@ def _compat_view(sandbox: pb.DriverSandbox) -> dict[str, Any]:
     template = sandbox.spec.template
     if template.HasField("driver_config"):
         block = json_format.MessageToDict(template.driver_config)
-        view["template"] = {"driver_config": {"vm": _whole_numbers(block)}}
+        view["template"] = {"driver_config": {"vm": block}}
     return view
-
-
-def _whole_numbers(value: Any) -> Any:
-    """A Struct keeps every number as a double: give integral ones back as ints."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {key: _whole_numbers(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_whole_numbers(item) for item in value]
-    return value
 
 
 def _guest(sandbox: pb.DriverSandbox, name: str) -> GuestSetup:
