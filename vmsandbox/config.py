@@ -2,7 +2,8 @@
 
 File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Environment variables
 override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
-``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``.
+``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
+``VMSANDBOX_OPENSHELL_ALLOWED_UIDS`` (comma-separated).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _ENV = {
     "virt_type": "VMSANDBOX_VIRT_TYPE",
     "network": "VMSANDBOX_NETWORK",
     "boot_timeout": "VMSANDBOX_BOOT_TIMEOUT",
+    "openshell_allowed_uids": "VMSANDBOX_OPENSHELL_ALLOWED_UIDS",
 }
 
 

@@ -1,0 +1,225 @@
+"""The OpenShell compute driver served by ``vmsandbox serve`` on the real libvirtd: the socket
+and its peer check, capabilities, error paths, a gateway reconnecting, GPU requests on the fake
+HGX host down to libvirt's refusal, and (e2e, one guest) the gateway's whole order of calls."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import REPO, cli_env, leftovers
+from conftest_host import umockdev_run
+from openshell_client import phase, serving, stub
+
+from vmsandbox.config import Config
+from vmsandbox.openshell.proto import compute_driver_pb2 as pb
+from vmsandbox.openshell.request import sandbox_name
+
+pytestmark = pytest.mark.libvirt
+OTHER_UID = 65534  # nobody
+
+
+@pytest.fixture(scope="module")
+def socket_path(config: Config) -> Iterator[Path]:
+    """One served driver for the module, on this test run's state directory."""
+    path = config.state_dir / "openshell" / "driver.sock"
+    with serving(path, cli_env(config)):
+        yield path
+
+
+@pytest.fixture
+def client(socket_path: Path) -> Iterator[object]:
+    channel, driver = stub(socket_path)
+    with channel:
+        yield driver
+
+
+def _request(name: str, **spec: object) -> pb.DriverSandbox:
+    return pb.DriverSandbox(id=f"gw-{name}", name=name, spec=pb.DriverSandboxSpec(**spec))
+
+
+def _code(call: object, *args: object) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as caught:
+        call(*args, timeout=120)  # type: ignore[operator]
+    return caught.value.code(), caught.value.details()
+
+
+def test_socket_is_private_to_its_user(socket_path: Path):
+    assert stat.S_IMODE(socket_path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
+    assert stat.S_ISSOCK(socket_path.stat().st_mode)
+
+
+def test_capabilities_and_no_listener_requirements(client):
+    caps = client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30)
+    assert (caps.driver_name, caps.default_image, caps.gateway_manages_lifecycle) == (
+        "vmsandbox",
+        "minimal",
+        False,
+    )
+    listeners = client.GetGatewayListenerRequirements(
+        pb.GetGatewayListenerRequirementsRequest(), timeout=30
+    )
+    assert list(listeners.requirements) == []
+    client.EnsureWorkspace(pb.EnsureWorkspaceRequest(workspace="w"), timeout=30)
+    client.DeleteWorkspace(pb.DeleteWorkspaceRequest(workspace="w"), timeout=30)
+
+
+def test_bad_requests_come_back_with_vmsandboxs_code_and_message(client, config: Config):
+    oci = _request("t-os-oci", template=pb.DriverSandboxTemplate(image="docker.io/library/ubuntu"))
+    code, message = _code(client.CreateSandbox, pb.CreateSandboxRequest(sandbox=oci))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "template.image 'docker.io/library/ubuntu' is not an image of this host" in message
+    assert "minimal" in message
+    huge = _request(
+        "t-os-huge",
+        template=pb.DriverSandboxTemplate(
+            resources=pb.DriverResourceRequirements(memory_limit="1Ti")
+        ),
+    )
+    code, message = _code(
+        client.ValidateSandboxCreate, pb.ValidateSandboxCreateRequest(sandbox=huge)
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"over this host's cap of {config.max_memory_mib}" in message
+    bad_cpu = _request(
+        "t-os-cpu",
+        template=pb.DriverSandboxTemplate(
+            resources=pb.DriverResourceRequirements(cpu_limit="lots")
+        ),
+    )
+    code, message = _code(client.CreateSandbox, pb.CreateSandboxRequest(sandbox=bad_cpu))
+    assert (code, message.split(" is not")[0]) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "template.resources.cpu_limit 'lots'",
+    )
+    for name in ("t-os-oci", "t-os-huge", "t-os-cpu"):
+        assert leftovers(config, name) == []
+
+
+def test_unknown_sandboxes(client):
+    code, message = _code(
+        client.GetSandbox, pb.GetSandboxRequest(sandbox_id="nope", sandbox_name="t-os-none")
+    )
+    assert (code, message) == (grpc.StatusCode.NOT_FOUND, "sandbox 't-os-none' does not exist")
+    code, _ = _code(client.StopSandbox, pb.StopSandboxRequest(sandbox_name="t-os-none"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    deleted = client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_name="t-os-none"), timeout=60)
+    assert deleted.deleted is False
+
+
+def test_a_gateway_that_disconnects_and_reconnects_is_served_again(socket_path: Path):
+    for _ in range(3):
+        channel, driver = stub(socket_path)
+        with channel:
+            assert driver.ListSandboxes(pb.ListSandboxesRequest(), timeout=30) is not None
+
+
+_PEER_CLIENT = textwrap.dedent(
+    """
+    import sys, grpc
+    from vmsandbox.openshell.proto import compute_driver_pb2 as pb, compute_driver_pb2_grpc as g
+    with grpc.insecure_channel("unix:" + sys.argv[1]) as channel:
+        try:
+            g.ComputeDriverStub(channel).GetCapabilities(pb.GetCapabilitiesRequest(), timeout=20)
+        except grpc.RpcError as exc:
+            print(exc.code().name, exc.details())
+        else:
+            print("OK")
+    """
+)
+
+
+def _as_uid(uid: int, socket_path: Path) -> str:
+    done = subprocess.run(
+        [
+            *("setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"),
+            *(sys.executable, "-c", _PEER_CLIENT, str(socket_path)),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def test_another_uid_cannot_reach_the_socket(socket_path: Path):
+    assert _as_uid(OTHER_UID, socket_path).startswith("UNAVAILABLE")
+
+
+def test_the_peer_check_refuses_uids_the_config_does_not_allow(config: Config):
+    allowed = OTHER_UID - 1
+    path = config.state_dir / "shared" / "shared.sock"  # the state dir is 0711: reachable
+    env = cli_env(config, VMSANDBOX_OPENSHELL_ALLOWED_UIDS=str(allowed))
+    with serving(path, env):
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o711
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666
+        assert _as_uid(allowed, path) == "OK"
+        assert _as_uid(OTHER_UID, path).startswith("UNAVAILABLE")
+    assert (
+        "refused a connection from uid 65534" in (config.state_dir / "shared.sock.log").read_text()
+    )
+
+
+def test_gpu_requests_on_the_fake_hgx_host_end_at_libvirts_refusal(config: Config, tmp_path: Path):
+    path = tmp_path / "gpu" / "driver.sock"
+    with umockdev_run("hgx_h100") as (prefix, umockdev_env):
+        testbed = {k: v for k, v in umockdev_env.items() if k == "TMPDIR"}
+        with serving(path, cli_env(config, **testbed), prefix=prefix):
+            channel, driver = stub(path)
+            with channel:
+                too_many = _request("t-os-gpu9")
+                too_many.spec.resource_requirements.gpu.count = 9
+                code, message = _code(
+                    driver.ValidateSandboxCreate, pb.ValidateSandboxCreateRequest(sandbox=too_many)
+                )
+                assert code in (
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                )
+                assert "9" in message
+                two = _request("t-os-gpu2")
+                two.spec.resource_requirements.gpu.count = 2
+                driver.ValidateSandboxCreate(
+                    pb.ValidateSandboxCreateRequest(sandbox=two), timeout=120
+                )
+                code, message = _code(driver.CreateSandbox, pb.CreateSandboxRequest(sandbox=two))
+                assert code == grpc.StatusCode.FAILED_PRECONDITION
+                assert "starting sandbox 't-os-gpu2': libvirt refused" in message
+                assert "passthrough" in message
+                listed = driver.ListSandboxes(pb.ListSandboxesRequest(), timeout=60)
+                assert "t-os-gpu2" not in [s.name for s in listed.sandboxes]
+    assert leftovers(config, "t-os-gpu2") == []
+
+
+def test_phase_port_matches_the_gateways_rules():
+    def snap(*conditions: tuple[str, str, str], deleting: bool = False) -> pb.DriverSandbox:
+        return pb.DriverSandbox(
+            status=pb.DriverSandboxStatus(
+                deleting=deleting,
+                conditions=[
+                    pb.DriverCondition(type=t, status=s, reason=r) for t, s, r in conditions
+                ],
+            )
+        )
+
+    assert phase(pb.DriverSandbox()) == "Unknown"
+    assert phase(snap(("Ready", "True", ""), deleting=True)) == "Deleting"
+    assert phase(snap(("Ready", "True", ""), ("Suspended", "true", ""))) == "Stopped"
+    assert phase(snap(("Ready", "False", "Starting"))) == "Provisioning"
+    assert phase(snap(("Ready", "False", "BootFailed"))) == "Error"
+    assert phase(snap(("Ready", "Unknown", ""))) == "Provisioning"
+    assert phase(snap(("Ready", "True", "SandboxReady"))) == "Ready"
+
+
+def test_a_derived_name_is_stable_for_the_gateway_id():
+    assert sandbox_name("Not A Name", "gw-7") == sandbox_name("", "gw-7")
