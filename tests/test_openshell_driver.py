@@ -16,7 +16,7 @@ import grpc
 import pytest
 from conftest import REPO, cli_env, leftovers
 from conftest_host import umockdev_run
-from openshell_client import phase, serving, stub
+from openshell_client import Watch, phase, serving, stub
 
 from vmsandbox.config import Config
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
@@ -223,3 +223,112 @@ def test_phase_port_matches_the_gateways_rules():
 
 def test_a_derived_name_is_stable_for_the_gateway_id():
     assert sandbox_name("Not A Name", "gw-7") == sandbox_name("", "gw-7")
+
+
+def _readable_by_others_containing(root: Path, secret: str) -> list[str]:
+    """Files under ``root`` that users other than root could read and that hold ``secret``."""
+    found = []
+    for path in root.rglob("*"):
+        readable = path.is_file() and path.stat().st_mode & 0o004
+        if readable and secret.encode() in path.read_bytes():
+            found.append(str(path))
+    return found
+
+
+@pytest.mark.e2e
+def test_the_gateways_order_of_calls_on_one_guest(
+    socket_path: Path, client, config: Config, manager
+):
+    name, sandbox_id = "t-os-e2e", "gw-e2e-1"
+    token = "eyJ0eXAiOiJKV1QifQ.e2e-payload.signature"
+    caps = client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30)
+    client.GetGatewayListenerRequirements(pb.GetGatewayListenerRequirementsRequest(), timeout=30)
+    request = pb.DriverSandbox(
+        id=sandbox_id,
+        name=name,
+        namespace="ns",
+        workspace="ws",
+        spec=pb.DriverSandboxSpec(
+            environment={"GREETING": 'hello "world" $HOME'},
+            template=pb.DriverSandboxTemplate(
+                image=caps.default_image,  # the gateway fills an empty image with it
+                labels={"team": "ml"},
+                environment={"FROM_TEMPLATE": "yes"},
+                resources=pb.DriverResourceRequirements(cpu_request="500m", memory_limit="1Gi"),
+            ),
+            sandbox_token=token,
+            command=["sh", "-c", "env > /tmp/main-env; echo done > /tmp/main-ran"],
+        ),
+    )
+    watch = Watch(socket_path)
+    try:
+        client.ValidateSandboxCreate(pb.ValidateSandboxCreateRequest(sandbox=request), timeout=120)
+        client.CreateSandbox(pb.CreateSandboxRequest(sandbox=request), timeout=600)
+        phases = watch.until("Ready", sandbox_id)
+        assert set(phases) <= {"Provisioning", "Ready"}, phases
+        listed = client.ListSandboxes(pb.ListSandboxesRequest(), timeout=60).sandboxes
+        (mine,) = [snap for snap in listed if snap.id == sandbox_id]
+        assert (mine.name, mine.namespace, mine.workspace, phase(mine)) == (
+            name,
+            "ns",
+            "ws",
+            "Ready",
+        )
+        got = client.GetSandbox(pb.GetSandboxRequest(sandbox_id=sandbox_id), timeout=60)
+        assert phase(got.sandbox) == "Ready"
+
+        # What the guest received: environment in exec sessions, the token as a root 0600 file.
+        env = manager.exec(name, ["env"]).stdout
+        for line in (
+            'GREETING=hello "world" $HOME',
+            "FROM_TEMPLATE=yes",
+            f"OPENSHELL_SANDBOX={name}",
+            f"OPENSHELL_SANDBOX_ID={sandbox_id}",
+            "OPENSHELL_SANDBOX_TOKEN_FILE=/etc/openshell/sandbox-token",
+        ):
+            assert line in env.splitlines(), env
+        assert token not in env
+        secret = manager.exec(
+            name,
+            "f=/etc/openshell/sandbox-token; sudo stat -c '%a %U' $f; sudo cat $f",
+        ).stdout.split()
+        assert secret == ["600", "root", token]
+        main = manager.exec(
+            name,
+            "for i in $(seq 300); do [ -e /tmp/main-ran ] && break; sleep 1; done; "
+            "cat /tmp/main-ran; grep -c '^FROM_TEMPLATE=yes$' /tmp/main-env; "
+            "systemctl show -p ExecMainStatus --value vmsandbox-main.service",
+        ).stdout.split()
+        assert main == ["done", "1", "0"]
+        got = client.GetSandbox(pb.GetSandboxRequest(sandbox_id=sandbox_id), timeout=60)
+        assert [
+            (c.status, c.reason, c.message)
+            for c in got.sandbox.status.conditions
+            if c.type == "MainProcess"
+        ] == [("False", "Exited", "the main process exited (0)")]
+        assert manager.get(name).labels["team"] == "ml"
+        domain_xml = manager.conn.lookupByName(f"vmsbx-{name}").XMLDesc(0)
+        assert token not in domain_xml
+        assert _readable_by_others_containing(config.state_dir, token) == []
+        assert token not in (config.state_dir / "driver.sock.log").read_text()
+
+        client.StopSandbox(
+            pb.StopSandboxRequest(sandbox_id=sandbox_id, sandbox_name=name), timeout=300
+        )
+        assert watch.until("Stopped", sandbox_id)[-1] == "Stopped"
+        client.StartSandbox(
+            pb.StartSandboxRequest(sandbox_id=sandbox_id, sandbox_name=name), timeout=300
+        )
+        phases = watch.until("Ready", sandbox_id)
+        assert phases[0] == "Provisioning" and set(phases) <= {"Provisioning", "Ready"}, phases
+
+        deleted = client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=sandbox_id), timeout=300)
+        assert deleted.deleted is True
+        assert watch.until("deleted", sandbox_id)[-1] == "deleted"
+        again = client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=sandbox_id), timeout=300)
+        assert again.deleted is False
+    finally:
+        watch.close()
+        if leftovers(config, name):
+            manager.destroy(name)
+    assert leftovers(config, name) == []

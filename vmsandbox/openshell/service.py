@@ -28,16 +28,17 @@ import grpc
 import vmsandbox
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, NotFound, VmSandboxError
-from vmsandbox.manager import Sandbox, SandboxManager
+from vmsandbox.manager import STATE_READY, Sandbox, SandboxManager
 from vmsandbox.openshell.events import DomainEvent, DomainEvents
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, sandbox_name, translate
-from vmsandbox.openshell.status import snapshot
+from vmsandbox.openshell.status import MAIN_QUERY, MainProcess, main_process, snapshot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _WATCH_TICK = 1.0  # seconds between checks that a watching gateway is still there
+_MAIN_QUERY_TIMEOUT = 20.0  # seconds for reading the main process's state over SSH
 
 
 class ComputeDriver(pb_grpc.ComputeDriverServicer):
@@ -67,9 +68,20 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             with self._ids_lock:
                 self._ids[sandbox.name] = sandbox.labels[ID_LABEL]
 
-    def _snapshot(self, sandbox: Sandbox) -> pb.DriverSandbox:
+    def _snapshot(self, manager: SandboxManager, sandbox: Sandbox) -> pb.DriverSandbox:
         self._remember(sandbox)
-        return snapshot(sandbox)
+        return snapshot(sandbox, self._main_process(manager, sandbox))
+
+    def _main_process(self, manager: SandboxManager, sandbox: Sandbox) -> MainProcess | None:
+        """The state of a ready sandbox's main process, read over SSH; None when it has none
+        or the guest does not answer right now (the condition is then left out)."""
+        if sandbox.state != STATE_READY or sandbox.ssh is None:
+            return None
+        try:
+            shown = manager.exec(sandbox.name, MAIN_QUERY, timeout=_MAIN_QUERY_TIMEOUT)
+        except VmSandboxError:
+            return None
+        return main_process(shown.stdout)
 
     def _ours(self, manager: SandboxManager) -> list[Sandbox]:
         """The sandboxes this driver made (those carrying a gateway id)."""
@@ -147,14 +159,14 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         def get() -> pb.DriverSandbox:
             with self._manager() as manager:
                 found = self._find(manager, request.sandbox_id, request.sandbox_name)
-                return self._snapshot(found)
+                return self._snapshot(manager, found)
 
         return pb.GetSandboxResponse(sandbox=self._call(context, "GetSandbox", get))
 
     def ListSandboxes(self, request: Any, context: grpc.ServicerContext) -> Any:
         def listing() -> list[pb.DriverSandbox]:
             with self._manager() as manager:
-                return [self._snapshot(sandbox) for sandbox in self._ours(manager)]
+                return [self._snapshot(manager, sandbox) for sandbox in self._ours(manager)]
 
         return pb.ListSandboxesResponse(sandboxes=self._call(context, "ListSandboxes", listing))
 
@@ -214,12 +226,12 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     # -- watch --------------------------------------------------------------------------------
 
     def _everything(self, context: grpc.ServicerContext) -> Iterator[Any]:
-        def listing() -> list[Sandbox]:
+        def listing() -> list[pb.DriverSandbox]:
             with self._manager() as manager:
-                return self._ours(manager)
+                return [self._snapshot(manager, sandbox) for sandbox in self._ours(manager)]
 
-        for sandbox in self._call(context, "WatchSandboxes", listing):
-            yield _sandbox_event(self._snapshot(sandbox))
+        for snap in self._call(context, "WatchSandboxes", listing):
+            yield _sandbox_event(snap)
 
     def _watch_event(self, event: DomainEvent, context: grpc.ServicerContext) -> Iterator[Any]:
         if event.name is None:
@@ -236,13 +248,14 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         try:
             with self._manager() as manager:
                 sandbox = manager.get(event.name)
+                snap = self._snapshot(manager, sandbox) if sandbox.labels.get(ID_LABEL) else None
         except (NotFound, InvalidArgument):
             return  # undefined since: its own event follows
         except VmSandboxError as exc:
             log.warning("watch: reading sandbox %s failed: %s", event.name, exc.message)
             return
-        if sandbox.labels.get(ID_LABEL):
-            yield _sandbox_event(self._snapshot(sandbox))
+        if snap is not None:
+            yield _sandbox_event(snap)
 
 
 def _sandbox_event(sandbox: pb.DriverSandbox) -> Any:

@@ -9,18 +9,20 @@ Conditions (the gateway reads Suspended first, then the first Ready condition):
 - ready with a failed in-guest GPU verification: Ready=False, reason VerificationFailed.
 - ready: Ready=True, reason SandboxReady: SSH answered and the GPUs passed the check.
 - with a main command: MainProcess, True while it runs (reason Running), False once it
-  exited (reason Exited, the status in the message); given when ``main`` is known.
+  exited (reason Exited, the status in the message); given when ``main`` is known, which the
+  service reads from the guest (``MAIN_QUERY``) while the sandbox is ready.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vmsandbox.guestsetup import MAIN_UNIT
 from vmsandbox.manager import STATE_FAILED, STATE_READY, Sandbox
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.request import ID_LABEL, NAMESPACE_LABEL, WORKSPACE_LABEL
 
-TRANSIENT_REASONS = ("Starting",)
+MAIN_QUERY = f"systemctl show -p LoadState -p ActiveState -p ExecMainStatus {MAIN_UNIT}"
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,17 @@ class MainProcess:
 
     running: bool
     exit_status: int | None = None
+
+
+def main_process(show: str) -> MainProcess | None:
+    """The main process as ``MAIN_QUERY``'s output tells it; None when the sandbox has none."""
+    fields = dict(line.split("=", 1) for line in show.splitlines() if "=" in line)
+    if fields.get("LoadState") != "loaded":
+        return None
+    if fields.get("ActiveState") in ("active", "activating", "reloading"):
+        return MainProcess(running=True)
+    status = fields.get("ExecMainStatus", "")
+    return MainProcess(running=False, exit_status=int(status) if status.isdigit() else None)
 
 
 def snapshot(sandbox: Sandbox, main: MainProcess | None = None) -> pb.DriverSandbox:
