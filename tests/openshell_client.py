@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import signal
+import socketserver
 import subprocess
 import sys
 import threading
@@ -133,3 +134,30 @@ class Watch:
     def close(self) -> None:
         self._stream.cancel()
         self.channel.close()
+
+
+class LineGateway:
+    """A stand-in for the gateway's listener on 127.0.0.1: answers each line it is sent with
+    ``gateway saw: LINE`` and keeps the lines, so a test sees what reached the host."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def _handler(self) -> type[socketserver.StreamRequestHandler]:
+        lines = self.lines
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                line = self.rfile.readline().decode().strip()
+                lines.append(line)
+                self.wfile.write(f"gateway saw: {line}\n".encode())
+
+        return Handler
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -54,6 +54,13 @@ class Config:
     ovmf_vars: Path = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
     # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver socket.
     openshell_allowed_uids: tuple[int, ...] = ()
+    # The OpenShell supervisor (openshell-sandbox binary) every driver-made sandbox runs, the
+    # gateway endpoint it dials (on this host's loopback) and, for https, the TLS files it gets.
+    openshell_supervisor: str = ""
+    openshell_gateway_endpoint: str = ""
+    openshell_tls_ca: str = ""
+    openshell_tls_cert: str = ""
+    openshell_tls_key: str = ""
 
     @property
     def images(self) -> Path:

@@ -11,6 +11,8 @@ this setup is readable on the host by root only.
 - ``main`` (a command as a list of words) is run by MAIN_UNIT as the sandbox user, with the
   environment; its exit status is readable with ``systemctl show MAIN_UNIT``.
 - ``units`` are extra systemd units (name -> unit text), enabled and started at first boot.
+- ``forwards`` are (guest port, host loopback port) pairs: the guest reaches the host port at
+  ``vmsandbox.domain.GUEST_FORWARD_ADDRESS``:guest port (user networking only).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class GuestFile:
     content: str = field(repr=False)  # may be a secret: never in a repr, a log or a traceback
     mode: str = "0644"
     owner: str = "root:root"
+    base64: bool = False  # ``content`` is base64 (a binary file)
 
     def __post_init__(self) -> None:
         if not self.path.startswith("/") or "\0" in self.path or "/../" in self.path + "/":
@@ -59,8 +62,16 @@ class GuestSetup:
     files: tuple[GuestFile, ...] = ()
     main: tuple[str, ...] = ()
     units: dict[str, str] = field(default_factory=dict)
+    forwards: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        for guest_port, host_port in self.forwards:
+            for port in (guest_port, host_port):
+                if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                    raise InvalidArgument(
+                        f"forwarded port {port!r} is not a TCP port (1-65535)",
+                        details={"field": "forwards", "value": repr(port)},
+                    )
         for key, value in self.environment.items():
             check_environment(key, value, "environment")
         if any(not isinstance(word, str) or "\0" in word for word in self.main):
@@ -82,7 +93,7 @@ class GuestSetup:
             lines = "".join(f"{key}={value}\n" for key, value in sorted(self.environment.items()))
             files.append({"path": "/etc/environment", "content": lines, "append": True})
         systemd_env = "".join(
-            f"{key}={_systemd_quoted(value)}\n" for key, value in sorted(self.environment.items())
+            f"{key}={systemd_quoted(value)}\n" for key, value in sorted(self.environment.items())
         )
         files.append(_write(GuestFile(ENVIRONMENT_FILE, systemd_env)))
         units = dict(self.units)
@@ -117,15 +128,14 @@ def check_environment(key: object, value: object, what: str) -> None:
 
 
 def _write(item: GuestFile) -> dict[str, Any]:
-    return {
-        "path": item.path,
-        "content": item.content,
-        "permissions": item.mode,
-        "owner": item.owner,
-    }
+    entry = {"path": item.path, "content": item.content, "permissions": item.mode}
+    entry["owner"] = item.owner
+    if item.base64:
+        entry["encoding"] = "b64"
+    return entry
 
 
-def _systemd_quoted(value: str) -> str:
+def systemd_quoted(value: str) -> str:
     """A value for a systemd EnvironmentFile: double-quoted, backslash and quote escaped."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 

@@ -485,6 +485,7 @@ class SandboxManager:
             mac=record.get("mac", "52:54:00:00:00:01"),
             ssh_port=port,
             guest_outbound=cfg.guest_outbound,
+            guest_forwards=spec.guest.forwards if spec.guest else (),
         )
         if gpus:
             from vmsandbox import passthrough

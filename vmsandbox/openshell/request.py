@@ -15,6 +15,8 @@ and what its guest receives.
   and OPENSHELL_LOG_LEVEL; the sandbox token written 0600 to TOKEN_PATH (named by
   OPENSHELL_SANDBOX_TOKEN_FILE), never put in the environment; ``command`` as the main process.
   ``tty`` has no meaning without the supervisor and is ignored.
+- With a supervisor (``vmsandbox.openshell.supervisor``), the guest also gets the supervisor,
+  and the command goes to it (OPENSHELL_MAIN_PROCESS_SPEC) instead of a vmsandbox unit.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vmsandbox.errors import InvalidArgument
 from vmsandbox.guestsetup import GuestFile, GuestSetup, check_environment
 from vmsandbox.openshell import quantity
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
+from vmsandbox.openshell.supervisor import Supervisor
 from vmsandbox.spec import SandboxSpec, validate_name
 
 DEFAULT_IMAGE = "minimal"
@@ -62,7 +65,9 @@ def sandbox_name(name: str, sandbox_id: str) -> str:
     return "os-" + hashlib.sha256((sandbox_id or name).encode()).hexdigest()[:16]
 
 
-def translate(sandbox: pb.DriverSandbox, images: list[str]) -> Translated:
+def translate(
+    sandbox: pb.DriverSandbox, images: list[str], supervisor: Supervisor | None = None
+) -> Translated:
     """The name and spec of ``sandbox``; ``images`` are the names this host can boot."""
     if not sandbox.id:
         raise InvalidArgument(
@@ -99,7 +104,7 @@ def translate(sandbox: pb.DriverSandbox, images: list[str]) -> Translated:
             memory_mib=memory,
             gpu=compat.gpu_request(_compat_view(sandbox)),
             labels=labels,
-            guest=_guest(sandbox, name),
+            guest=_guest(sandbox, name, supervisor),
         ),
     )
 
@@ -119,7 +124,7 @@ def _compat_view(sandbox: pb.DriverSandbox) -> dict[str, Any]:
     return view
 
 
-def _guest(sandbox: pb.DriverSandbox, name: str) -> GuestSetup:
+def _guest(sandbox: pb.DriverSandbox, name: str, supervisor: Supervisor | None) -> GuestSetup:
     spec = sandbox.spec
     environment: dict[str, str] = {}
     for what, given in (
@@ -137,4 +142,9 @@ def _guest(sandbox: pb.DriverSandbox, name: str) -> GuestSetup:
     if spec.sandbox_token:
         files.append(GuestFile(TOKEN_PATH, spec.sandbox_token, mode="0600"))
         environment["OPENSHELL_SANDBOX_TOKEN_FILE"] = TOKEN_PATH
-    return GuestSetup(environment=environment, files=tuple(files), main=tuple(spec.command))
+    if supervisor is None:
+        return GuestSetup(environment=environment, files=tuple(files), main=tuple(spec.command))
+    more, units, forwards = supervisor.guest_parts(environment, tuple(spec.command), spec.tty)
+    return GuestSetup(
+        environment=environment, files=(*files, *more), units=units, forwards=forwards
+    )

@@ -41,10 +41,15 @@ def serve(socket_path: str, config: Config | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     events = DomainEvents(config.uri)
+    try:
+        driver = ComputeDriver(config, events)  # a supervisor that cannot work stops us here
+    except VmSandboxError:
+        events.close()
+        raise
     private = Path(tempfile.mkdtemp(prefix="vmsandbox-grpc-"))  # mkdtemp: 0700, ours alone
     backend = private / "grpc.sock"
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=_WORKERS))
-    pb_grpc.add_ComputeDriverServicer_to_server(ComputeDriver(config, events), server)
+    pb_grpc.add_ComputeDriverServicer_to_server(driver, server)
     server.add_insecure_port(f"unix:{backend}")
     gate: PeerGate | None = None
     try:

@@ -34,6 +34,7 @@ from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, sandbox_name, translate
 from vmsandbox.openshell.status import MAIN_QUERY, MainProcess, main_process, snapshot
+from vmsandbox.openshell.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +48,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def __init__(self, config: Config, events: DomainEvents) -> None:
         self.config = config
         self.events = events
+        self.supervisor = Supervisor.from_config(config)
         self._ids: dict[str, str] = {}  # sandbox name -> gateway id, for deleted events
         self._ids_lock = threading.Lock()
 
@@ -125,13 +127,27 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         )
 
     def GetGatewayListenerRequirements(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return pb.GetGatewayListenerRequirementsResponse()
+        """With a supervisor, its guests dial the gateway through a relay to this host's
+        loopback: ask for a loopback listener. Without one, nothing dials the gateway."""
+        if self.supervisor is None:
+            return pb.GetGatewayListenerRequirementsResponse()
+        reason = (
+            "vmsandbox guests reach the gateway through QEMU user networking relayed to "
+            f"127.0.0.1:{self.supervisor.port}"
+        )
+        return pb.GetGatewayListenerRequirementsResponse(
+            requirements=[
+                pb.GatewayListenerRequirement(
+                    reason=reason, loopback_interface=pb.GatewayLoopbackInterfaceRequirement()
+                )
+            ]
+        )
 
     def ValidateSandboxCreate(self, request: Any, context: grpc.ServicerContext) -> Any:
         def validate() -> None:
             with self._manager() as manager:
                 images = [image.name for image in manager.images.list()]
-                manager.dry_run(translate(request.sandbox, images).spec)
+                manager.dry_run(translate(request.sandbox, images, self.supervisor).spec)
 
         self._call(context, "ValidateSandboxCreate", validate)
         return pb.ValidateSandboxCreateResponse()
@@ -140,7 +156,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         def create() -> None:
             with self._manager() as manager:
                 images = [image.name for image in manager.images.list()]
-                wanted = translate(request.sandbox, images)
+                wanted = translate(request.sandbox, images, self.supervisor)
                 sandbox = manager.create(wanted.spec, start=False)
                 self._remember(sandbox)
                 try:
