@@ -1,5 +1,5 @@
 """vmsandbox stop/start: a stopped sandbox keeps its GPUs (its inactive domain's hostdevs
-still count as held), and a start libvirt refuses leaves it defined and stopped. On the fake
+still count as held), and a start libvirt refuses leaves it as it was. On the fake
 HGX host against the real libvirtd, where every passthrough start is refused."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _under_hgx(config: Config, *argv: str) -> subprocess.CompletedProcess[str]:
         )
 
 
-def test_a_stopped_sandbox_keeps_its_gpus_and_a_refused_start_keeps_it_stopped(config: Config):
+def test_a_stopped_sandbox_keeps_its_gpus_and_a_refused_start_changes_nothing(config: Config):
     name = "t-power-gpu"
     try:
         defined = _under_hgx(config, "-c", _DEFINE, name)
@@ -52,13 +52,13 @@ def test_a_stopped_sandbox_keeps_its_gpus_and_a_refused_start_keeps_it_stopped(c
             started.stderr
         )
         shown = json.loads(cli("show", name, "--json", config=config).stdout)
-        assert shown["state"] == "stopped"
+        assert shown["state"] == "defined"  # as it was: defined, never started
         gpus = _under_hgx(config, "-m", "vmsandbox.cli", "gpus", "--json")
         held = [gpu["in_use_by"] for gpu in json.loads(gpus.stdout)["gpus"] if gpu["in_use_by"]]
         assert held == [f"vmsbx-{name}"] * 2
         stopped = cli("stop", name, "--json", config=config)
         assert stopped.returncode == 0, stopped.stderr
-        assert json.loads(stopped.stdout)["state"] == "stopped"
+        assert json.loads(stopped.stdout)["state"] == "defined"  # nothing ran: nothing to stop
     finally:
         cli("destroy", name, config=config)
     assert leftovers(config, name) == []

@@ -603,7 +603,10 @@ class SandboxManager:
             active = dom.isActive() == 1
         except libvirt.libvirtError:
             active = False
-        shown = state if active or state in (STATE_CREATING, STATE_DEFINED) else "stopped"
+        starting = state == STATE_STARTING and _process_alive(record.get("starter"))
+        shown = (
+            state if active or starting or state in (STATE_CREATING, STATE_DEFINED) else "stopped"
+        )
         return Sandbox(
             name=name,
             domain=dom.name(),
@@ -745,7 +748,7 @@ class SandboxManager:
 
         The GPUs it holds are passed through again; when one has gone from the host (removed,
         or taken by a host driver) libvirt refuses the start: FAILED_PRECONDITION with
-        libvirt's words, and the sandbox stays defined and stopped.
+        libvirt's words, and the sandbox is left as it was (stopped, or only defined).
         """
         validate_name(name)
         _check_timeout(timeout)
@@ -759,9 +762,14 @@ class SandboxManager:
             )
         if _active(dom):
             return self._sandbox(*found)
-        self._set_state(dom, STATE_STARTING, failure=None)
-        with libvirt_errors(f"starting sandbox {name!r}"):
+        # "starting" shows while this process lives, even before the domain runs (see _sandbox)
+        self._set_state(dom, STATE_STARTING, failure=None, starter=_process_identity())
+        try:
             dom.create()
+        except libvirt.libvirtError as exc:
+            self._set_state(dom, state)  # not started: as it was before
+            with libvirt_errors(f"starting sandbox {name!r}"):
+                raise exc from None
         if wait:
             return self.wait(name, verify=verify, timeout=timeout)
         return self._sandbox(dom, *self._read(dom))
