@@ -1,28 +1,20 @@
-"""The supervisor option: configuration checks, what every guest gets (binary, TLS files,
-root-only environment, a unit, the endpoint rewritten to the relayed address), the relay in
-the domain XML, and the relay itself carrying bytes both ways."""
+"""The supervisor option: configuration checks and what every guest gets (binary, TLS files,
+root-only environment, a unit, the endpoint on the guest's loopback where the driver's SSH
+tunnel ends). The tunnel itself is exercised in the e2e test of test_openshell_driver."""
 
 from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from openshell_client import LineGateway
-from test_domain_xml import parse, plan
 
-from vmsandbox import relay
 from vmsandbox.config import Config
-from vmsandbox.domain import build_domain_xml
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.request import translate
 from vmsandbox.openshell.supervisor import ENV_FILE, SUPERVISOR_UNIT, Supervisor
-
-QEMU_ARG = "{http://libvirt.org/schemas/domain/qemu/1.0}arg"
 
 
 def _config(tmp_path: Path, **changes: str) -> Config:
@@ -73,7 +65,6 @@ def test_every_guest_gets_the_supervisor_and_the_command_goes_to_it(tmp_path: Pa
     guest = translate(sandbox, ["minimal"], supervisor).spec.guest
     assert guest is not None
     assert guest.main == ()
-    assert guest.forwards == ((8443, 8443),)
     files = {item.path: item for item in guest.files}
     binary = files["/opt/openshell/bin/openshell-sandbox"]
     assert (base64.b64decode(binary.content), binary.mode, binary.base64) == (
@@ -87,7 +78,7 @@ def test_every_guest_gets_the_supervisor_and_the_command_goes_to_it(tmp_path: Pa
     spec = json.dumps({"version": 1, "command": ["run", "it"], "tty": True}, separators=(",", ":"))
     escaped = spec.replace('"', '\\"')
     for line in (
-        'OPENSHELL_ENDPOINT="https://10.0.2.100:8443"',
+        'OPENSHELL_ENDPOINT="https://127.0.0.1:8443"',
         'OPENSHELL_GATEWAY_TLS_SERVER_NAME="localhost"',
         'OPENSHELL_SANDBOX_TOKEN_FILE="/etc/openshell/sandbox-token"',
         'OPENSHELL_TLS_KEY="/opt/openshell/tls/key.pem"',
@@ -100,46 +91,3 @@ def test_every_guest_gets_the_supervisor_and_the_command_goes_to_it(tmp_path: Pa
     written = {item["path"]: item for item in cloud["write_files"]}
     assert written["/opt/openshell/bin/openshell-sandbox"]["encoding"] == "b64"
     assert cloud["runcmd"][-1] == ["systemctl", "start", "--no-block", SUPERVISOR_UNIT]
-
-
-def test_the_domain_relays_the_forwarded_port_to_loopback():
-    root = parse(build_domain_xml(plan(guest_forwards=((8443, 18443),))))
-    netdev = [a.get("value") for a in root.iter(QEMU_ARG)][1]
-    relay_path = Path(relay.__file__)
-    assert netdev.endswith(
-        f",restrict=on,guestfwd=tcp:10.0.2.100:8443-cmd:/usr/bin/python3 {relay_path} "
-        "127.0.0.1 18443"
-    )
-    assert "," not in str(relay_path)  # QEMU would split the option there
-
-
-def test_the_relay_carries_a_connection_both_ways():
-    gateway = LineGateway()
-    try:
-        done = subprocess.run(
-            ["/usr/bin/python3", relay.__file__, "127.0.0.1", str(gateway.port)],
-            input="hello\n",
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-    finally:
-        gateway.close()
-    assert done.stdout == "gateway saw: hello\n"
-    assert gateway.lines == ["hello"]
-
-
-def test_the_relay_says_when_the_host_port_is_closed():
-    gateway = LineGateway()
-    port = gateway.port
-    gateway.close()
-    done = subprocess.run(
-        [sys.executable, relay.__file__, "127.0.0.1", str(port)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 1
-    assert f"relay: cannot reach 127.0.0.1:{port}" in done.stderr

@@ -24,11 +24,6 @@ QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 DOMAIN_PREFIX = "vmsbx-"
 # Guest slot of the user-mode NIC on pcie.0, clear of libvirt's own placements.
 USER_NET_SLOT = "0x10"
-# The address a user-networked guest dials for a forwarded host service (QEMU's slirp network
-# answers it inside the QEMU process; nothing is sent to a real 10.0.2.0/24 network).
-GUEST_FORWARD_ADDRESS = "10.0.2.100"
-# The relay runs as the hypervisor's user, with the system Python: stdlib only.
-RELAY_PYTHON = "/usr/bin/python3"
 
 
 @dataclass
@@ -51,9 +46,6 @@ class DomainPlan:
     mac: str = "52:54:00:00:00:01"  # the guest NIC's, matched by the seed's network config
     ssh_port: int | None = None  # user networking: host port forwarded to guest port 22
     guest_outbound: bool = False
-    # User networking: (guest port, host loopback port) pairs the guest reaches at
-    # GUEST_FORWARD_ADDRESS:port, relayed by vmsandbox/relay.py even under restrict=on.
-    guest_forwards: tuple[tuple[int, int], ...] = ()
     uefi: bool = False
     nvram: Path | None = None
     ovmf_code: Path | None = None
@@ -134,12 +126,6 @@ def _add_network(root: etree._Element, devices: etree._Element, plan: DomainPlan
     netdev = f"user,id=vmsbxnet0,hostfwd=tcp:127.0.0.1:{int(plan.ssh_port)}-:22"
     if not plan.guest_outbound:
         netdev += ",restrict=on"
-    relay = Path(__file__).with_name("relay.py")
-    for guest_port, host_port in plan.guest_forwards:
-        netdev += (
-            f",guestfwd=tcp:{GUEST_FORWARD_ADDRESS}:{int(guest_port)}"
-            f"-cmd:{RELAY_PYTHON} {relay} 127.0.0.1 {int(host_port)}"
-        )
     device = f"virtio-net-pci,netdev=vmsbxnet0,bus=pcie.0,addr={USER_NET_SLOT},mac={plan.mac}"
     commandline = etree.SubElement(root, f"{{{QEMU_NS}}}commandline")
     for value in ("-netdev", netdev, "-device", device):

@@ -11,8 +11,6 @@ this setup is readable on the host by root only.
 - ``main`` (a command as a list of words) is run by MAIN_UNIT as the sandbox user, with the
   environment; its exit status is readable with ``systemctl show MAIN_UNIT``.
 - ``units`` are extra systemd units (name -> unit text), enabled and started at first boot.
-- ``forwards`` are (guest port, host loopback port) pairs: the guest reaches the host port at
-  ``vmsandbox.domain.GUEST_FORWARD_ADDRESS``:guest port (user networking only).
 """
 
 from __future__ import annotations
@@ -62,16 +60,8 @@ class GuestSetup:
     files: tuple[GuestFile, ...] = ()
     main: tuple[str, ...] = ()
     units: dict[str, str] = field(default_factory=dict)
-    forwards: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        for guest_port, host_port in self.forwards:
-            for port in (guest_port, host_port):
-                if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-                    raise InvalidArgument(
-                        f"forwarded port {port!r} is not a TCP port (1-65535)",
-                        details={"field": "forwards", "value": repr(port)},
-                    )
         for key, value in self.environment.items():
             check_environment(key, value, "environment")
         if any(not isinstance(word, str) or "\0" in word for word in self.main):

@@ -485,7 +485,6 @@ class SandboxManager:
             mac=record.get("mac", "52:54:00:00:00:01"),
             ssh_port=port,
             guest_outbound=cfg.guest_outbound,
-            guest_forwards=spec.guest.forwards if spec.guest else (),
         )
         if gpus:
             from vmsandbox import passthrough

@@ -144,7 +144,5 @@ def _guest(sandbox: pb.DriverSandbox, name: str, supervisor: Supervisor | None) 
         environment["OPENSHELL_SANDBOX_TOKEN_FILE"] = TOKEN_PATH
     if supervisor is None:
         return GuestSetup(environment=environment, files=tuple(files), main=tuple(spec.command))
-    more, units, forwards = supervisor.guest_parts(environment, tuple(spec.command), spec.tty)
-    return GuestSetup(
-        environment=environment, files=(*files, *more), units=units, forwards=forwards
-    )
+    more, units = supervisor.guest_parts(environment, tuple(spec.command), spec.tty)
+    return GuestSetup(environment=environment, files=(*files, *more), units=units)

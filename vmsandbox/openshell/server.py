@@ -56,6 +56,7 @@ def serve(socket_path: str, config: Config | None = None) -> int:
         server.start()
         gate = PeerGate(Path(socket_path), backend, frozenset(config.openshell_allowed_uids))
         gate.start()
+        driver.resume_tunnels()
         log.info("serving the OpenShell compute driver on %s", socket_path)
         stop.wait()
         log.info("stopping")
@@ -66,6 +67,7 @@ def serve(socket_path: str, config: Config | None = None) -> int:
         if gate is not None:
             gate.close()
         server.stop(_STOP_GRACE).wait()
+        driver.close()
         events.close()
         backend.unlink(missing_ok=True)
         private.rmdir()

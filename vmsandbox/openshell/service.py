@@ -8,6 +8,8 @@
   (``deleted`` false when nothing was there).
 - WatchSandboxes sends every current sandbox, then one snapshot per libvirt event of a sandbox
   (``events.DomainEvents``) and a deleted event when its domain is undefined.
+- With a supervisor configured, every ready sandbox gets an SSH tunnel to the gateway
+  (``tunnel.GatewayTunnels``).
 - EnsureWorkspace/DeleteWorkspace succeed with nothing to do: a vmsandbox host has no
   workspace-level resources.
 
@@ -35,6 +37,7 @@ from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, sandbox_name, translate
 from vmsandbox.openshell.status import MAIN_QUERY, MainProcess, main_process, snapshot
 from vmsandbox.openshell.supervisor import Supervisor
+from vmsandbox.openshell.tunnel import GatewayTunnels
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,6 +52,9 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         self.config = config
         self.events = events
         self.supervisor = Supervisor.from_config(config)
+        self.tunnels = (
+            GatewayTunnels(self._manager, self.supervisor.port) if self.supervisor else None
+        )
         self._ids: dict[str, str] = {}  # sandbox name -> gateway id, for deleted events
         self._ids_lock = threading.Lock()
 
@@ -111,10 +117,26 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
                 with self._manager() as manager:
                     manager.wait(name)
                 log.info("sandbox %s is ready", name)
+                if self.tunnels is not None:
+                    self.tunnels.ensure(name)
             except VmSandboxError as exc:
                 log.warning("sandbox %s did not become ready: %s: %s", name, exc.code, exc.message)
 
         threading.Thread(target=run, name=f"ready-{name}", daemon=True).start()
+
+    def resume_tunnels(self) -> None:
+        """At start: a tunnel into every running sandbox of ours (a supervisor in each dials
+        the gateway through it)."""
+        if self.tunnels is None:
+            return
+        with self._manager() as manager:
+            for sandbox in self._ours(manager):
+                if sandbox.state == STATE_READY:
+                    self.tunnels.ensure(sandbox.name)
+
+    def close(self) -> None:
+        if self.tunnels is not None:
+            self.tunnels.close()
 
     # -- RPCs ---------------------------------------------------------------------------------
 
@@ -127,12 +149,13 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         )
 
     def GetGatewayListenerRequirements(self, request: Any, context: grpc.ServicerContext) -> Any:
-        """With a supervisor, its guests dial the gateway through a relay to this host's
-        loopback: ask for a loopback listener. Without one, nothing dials the gateway."""
+        """With a supervisor, its guests dial the gateway through this driver's SSH tunnels,
+        which open the host's loopback: ask for a loopback listener. Without one, nothing
+        dials the gateway."""
         if self.supervisor is None:
             return pb.GetGatewayListenerRequirementsResponse()
         reason = (
-            "vmsandbox guests reach the gateway through QEMU user networking relayed to "
+            "vmsandbox guests reach the gateway through SSH tunnels that end at "
             f"127.0.0.1:{self.supervisor.port}"
         )
         return pb.GetGatewayListenerRequirementsResponse(

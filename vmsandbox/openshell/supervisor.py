@@ -9,8 +9,8 @@ vmsandbox-main unit) and, for https, OPENSHELL_TLS_CA/CERT/KEY and
 OPENSHELL_GATEWAY_TLS_SERVER_NAME.
 
 The endpoint (config ``openshell_gateway_endpoint``, a gateway listening on this host's
-loopback) is rewritten for the guest to ``vmsandbox.domain.GUEST_FORWARD_ADDRESS`` with the same
-port; QEMU relays each connection there to 127.0.0.1:port on the host (vmsandbox/relay.py), so
+loopback) becomes ``127.0.0.1`` with the same port in the guest, where the driver's SSH remote
+forward (``vmsandbox.openshell.tunnel``) carries each connection to the host's loopback, so
 the traffic stays on this machine even though the guest may open no other connection. The TLS
 server name stays the configured host's, so the gateway's certificate still verifies.
 """
@@ -24,7 +24,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from vmsandbox.config import Config
-from vmsandbox.domain import GUEST_FORWARD_ADDRESS
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.guestsetup import GuestFile, systemd_quoted
 
@@ -82,12 +81,12 @@ class Supervisor:
 
     @property
     def guest_endpoint(self) -> str:
-        return f"{self.scheme}://{GUEST_FORWARD_ADDRESS}:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def guest_parts(
         self, environment: dict[str, str], command: tuple[str, ...], tty: bool
-    ) -> tuple[list[GuestFile], dict[str, str], tuple[tuple[int, int], ...]]:
-        """The files, units and forwards for one guest; ``environment`` is the sandbox's own
+    ) -> tuple[list[GuestFile], dict[str, str]]:
+        """The files and units for one guest; ``environment`` is the sandbox's own
         (OPENSHELL_SANDBOX, _ID and _TOKEN_FILE among it)."""
         env = {**environment, "OPENSHELL_ENDPOINT": self.guest_endpoint}
         if command:
@@ -109,7 +108,7 @@ class Supervisor:
             f"[Service]\nUser=root\nEnvironmentFile={ENV_FILE}\nExecStart={BINARY}\n"
             "Restart=on-failure\nRestartSec=2\n"
         )
-        return files, {SUPERVISOR_UNIT: unit}, ((self.port, self.port),)
+        return files, {SUPERVISOR_UNIT: unit}
 
 
 def _read(path: str, key: str) -> bytes:
