@@ -32,7 +32,8 @@ _STOP_GRACE = 5.0  # seconds in-flight RPCs get to finish at shutdown
 
 
 def serve(socket_path: str, config: Config | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit status."""
+    """Serve until SIGTERM/SIGINT; returns the exit status (0). A socket that cannot be
+    served raises its vmsandbox error, after everything made so far is removed."""
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
     )
@@ -60,10 +61,7 @@ def serve(socket_path: str, config: Config | None = None) -> int:
         log.info("serving the OpenShell compute driver on %s", socket_path)
         stop.wait()
         log.info("stopping")
-    except VmSandboxError as exc:
-        log.error("%s: %s", exc.code, exc.message)
-        return 1
-    finally:
+    finally:  # a failure to start propagates: the CLI prints its code and message
         if gate is not None:
             gate.close()
         server.stop(_STOP_GRACE).wait()
