@@ -103,18 +103,13 @@ def _named(request: GpuRequest, inventory: Inventory, max_gpus: int) -> list[Gpu
 
 
 def _resolve(device_ids: Sequence[str], inventory: Inventory) -> list[Gpu]:
-    """The GPUs that canonical device ids name: BDF, ``GPU-`` UUID or inventory index."""
+    """The GPUs that canonical device ids name: BDF, ``GPU-`` UUID, DRM card or index."""
     gpus: dict[str, Gpu] = {}
     named_as: dict[str, str] = {}
     for device_id in device_ids:
-        gpu = _lookup(device_id, inventory)
+        gpu = inventory.by_device_id(device_id)
         if gpu is None:
-            valid = [
-                ident
-                for gpu in inventory.gpus
-                for ident in (gpu.bdf, str(gpu.index), gpu.uuid)
-                if ident is not None
-            ]
+            valid = [ident for gpu in inventory.gpus for ident in gpu.device_ids()]
             choices = ", ".join(valid) if valid else "none: this host has no GPUs"
             raise InvalidArgument(
                 f"devices: no GPU {device_id!r} on this host; valid ids: {choices}",
@@ -129,16 +124,6 @@ def _resolve(device_ids: Sequence[str], inventory: Inventory) -> list[Gpu]:
         gpus[gpu.bdf] = gpu
         named_as[gpu.bdf] = device_id
     return list(gpus.values())
-
-
-def _lookup(device_id: str, inventory: Inventory) -> Gpu | None:
-    if ":" in device_id:
-        return inventory.by_bdf(device_id)
-    if device_id.startswith("GPU-"):
-        return next(
-            (g for g in inventory.gpus if (g.uuid or "").lower() == device_id.lower()), None
-        )
-    return next((gpu for gpu in inventory.gpus if str(gpu.index) == device_id), None)
 
 
 def _misses(request: GpuRequest, gpu: Gpu) -> dict[str, str]:

@@ -35,6 +35,7 @@ GPU_CLASSES = {(NVIDIA, 0x0300), (NVIDIA, 0x0302), (AMD, 0x0300), (AMD, 0x0380),
 FABRIC_CLASSES = {(NVIDIA, 0x0680)}
 VFIO_DRIVER = "vfio-pci"
 NVIDIA_DRIVER = "nvidia"
+AMDGPU_DRIVER = "amdgpu"
 IOMMU_OFF = (
     "IOMMU is off on this host (no PCI device has an iommu_group); "
     "enable intel_iommu=on or amd_iommu=on"
@@ -161,6 +162,20 @@ def _memory(function: PciFunction, nvml_gpu: NvmlGpu | None) -> tuple[int | None
     return None, "unknown"
 
 
+def _rocm_uuid(function: PciFunction) -> str | None:
+    """ROCm's UUID of an amdgpu device: "GPU-" and the 16 hex digits of its ``unique_id``.
+
+    amdgpu writes ``unique_id`` only on parts that have one (most Instinct and recent Radeon
+    boards); other values are not a ROCm UUID and are left out.
+    """
+    if function.driver != AMDGPU_DRIVER or function.unique_id is None:
+        return None
+    text = function.unique_id.lower()
+    if len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
+        return None
+    return f"GPU-{text}"
+
+
 def discover(
     in_use: Mapping[str, str] | None = None,
     *,
@@ -211,7 +226,7 @@ def discover(
                 bar_64bit_prefetchable_total=prefetchable_64bit_total(bars),
                 memory_mib=memory_mib,
                 memory_source=memory_source,
-                uuid=nvml_gpu.uuid if nvml_gpu else None,
+                uuid=nvml_gpu.uuid if nvml_gpu else _rocm_uuid(function),
                 bindable=not reasons,
                 reasons=tuple(reasons),
                 # held when any function of its slot is: companions go along with the GPU
@@ -221,6 +236,7 @@ def discover(
                 index=index,
                 pcie_switch=host.pcie_switch(function),
                 boot_vga=function.boot_vga,
+                drm_cards=function.drm_cards,
             )
         )
     return Inventory(
