@@ -46,7 +46,8 @@ from vmsandbox.spec import GpuRequest
 _FIELD = "resources.hardware.gpu"
 _KNOWN = frozenset({"count", "type", "memory"})
 _ANY_MODEL = ("", "any", "auto", "*")
-# parse_mem_to_bytes: ASCII digits; \s is any whitespace, as in FlowMesh's (str) pattern
+# parse_mem_to_bytes: ASCII digits; \s is any whitespace, as in FlowMesh's (str) pattern. At
+# most 4000 digits: int() refuses longer strings (FlowMesh would raise on them).
 _MEMORY_RE = re.compile(r"\s*([0-9]{1,4000})\s*(?:([KkMmGgTt])[Ii]?[Bb]?)?\s*")
 _UNIT_POWER = {"K": 1, "M": 2, "G": 3, "T": 4}
 _MEMORY_ALLOWED = (
