@@ -168,6 +168,7 @@ def test_hgx_lists_nvswitches_as_fabric_only(hgx: list[dict[str, Any]]) -> None:
         "fabric": 4,
         "nvml": False,
         "notes": ["NVML unavailable: Driver Not Loaded"],
+        "unified_memory_mib": None,  # no GPU here uses the host's memory
     }
 
 

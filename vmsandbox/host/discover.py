@@ -16,6 +16,7 @@ parent of its own; that grandparent is the switch's upstream port. A GPU behind 
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -36,6 +37,7 @@ FABRIC_CLASSES = {(NVIDIA, 0x0680)}
 VFIO_DRIVER = "vfio-pci"
 NVIDIA_DRIVER = "nvidia"
 AMDGPU_DRIVER = "amdgpu"
+_UNIFIED_NAME_RE = re.compile(r"\b(?:gb10|tegra|thor)\b", re.I)
 IOMMU_OFF = (
     "IOMMU is off on this host (no PCI device has an iommu_group); "
     "enable intel_iommu=on or amd_iommu=on"
@@ -152,14 +154,35 @@ def _fabric(function: PciFunction) -> FabricDevice:
     )
 
 
-def _memory(function: PciFunction, nvml_gpu: NvmlGpu | None) -> tuple[int | None, str]:
-    """Memory in MiB and where the figure came from."""
-    if nvml_gpu is not None:
+def _memory(
+    function: PciFunction, nvml_gpu: NvmlGpu | None, name: str | None
+) -> tuple[int | None, str]:
+    """Memory in MiB and where the figure came from.
+
+    A unified-memory GPU (GB10, Tegra, Thor: named as FlowMesh's worker/hw.py names them) has
+    no memory of its own: "unified", and the host's pool stands in (``unified_memory_mib``).
+    """
+    if nvml_gpu is not None and nvml_gpu.memory_mib is not None:
         return nvml_gpu.memory_mib, "nvml"
     part = pci_ids.known_part(function.vendor_id, function.device_id)
     if part is not None:
         return part.memory_mib, "pci-id"
+    if name is not None and _UNIFIED_NAME_RE.search(name):
+        return None, "unified"
     return None, "unknown"
+
+
+def _host_memory_mib(proc_root: str) -> int | None:
+    """MemTotal of ``/proc/meminfo`` in MiB, None when it cannot be read."""
+    try:
+        with open(f"{proc_root}/meminfo", encoding="ascii", errors="replace") as meminfo:
+            for line in meminfo:
+                key, _, value = line.partition(":")
+                if key == "MemTotal" and value.split()[1:] == ["kB"]:
+                    return int(value.split()[0]) // 1024
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _rocm_uuid(function: PciFunction) -> str | None:
@@ -206,7 +229,8 @@ def discover(
         companions = host.companions(function)
         companion_bdfs = tuple(c.bdf for c in companions)
         bars = parse_resource(function.resource)
-        memory_mib, memory_source = _memory(function, nvml_gpu)
+        name = _name(function, nvml_gpu.name if nvml_gpu else None)
+        memory_mib, memory_source = _memory(function, nvml_gpu, name)
         reasons = host.reasons(function, companion_bdfs, pids, proc_root)
         gpus.append(
             Gpu(
@@ -215,7 +239,7 @@ def discover(
                 vendor_id=function.vendor_id,
                 device_id=function.device_id,
                 class_id=function.class_id,
-                name=_name(function, nvml_gpu.name if nvml_gpu else None),
+                name=name,
                 driver=function.driver,
                 numa_node=function.numa_node,
                 iommu_group=function.iommu_group,
@@ -239,6 +263,7 @@ def discover(
                 drm_cards=function.drm_cards,
             )
         )
+    unified = any(gpu.memory_source == "unified" for gpu in gpus)
     return Inventory(
         gpus=tuple(gpus),
         fabric=tuple(fabric),
@@ -246,4 +271,5 @@ def discover(
         pci_devices=len(host.functions),
         nvml=report.answered,
         notes=report.notes,
+        unified_memory_mib=_host_memory_mib(proc_root) if unified else None,
     )

@@ -36,7 +36,7 @@ class Gpu:
     bars: tuple[Bar, ...]
     bar_64bit_prefetchable_total: int
     memory_mib: int | None
-    memory_source: str  # "nvml" | "pci-id" | "unknown"
+    memory_source: str  # "nvml" | "pci-id" | "unified" (the host's memory) | "unknown"
     uuid: str | None
     bindable: bool
     reasons: tuple[str, ...]
@@ -90,6 +90,8 @@ class Inventory:
     pci_devices: int
     nvml: bool  # whether NVML answered
     notes: tuple[str, ...] = field(default=())
+    # host memory (MemTotal) that GPUs with memory_source "unified" share; None without them
+    unified_memory_mib: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,6 +106,7 @@ class Inventory:
                 "fabric": len(self.fabric),
                 "nvml": self.nvml,
                 "notes": list(self.notes),
+                "unified_memory_mib": self.unified_memory_mib,
             },
         }
 
