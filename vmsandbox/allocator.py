@@ -60,7 +60,8 @@ def select(
     if request.devices:
         return _named(request, inventory, max_gpus)
     wanted = request.wanted()
-    matching = [gpu for gpu in inventory.gpus if gpu.bindable and not _misses(request, gpu)]
+    share = _unified_share(request, inventory)
+    matching = [gpu for gpu in inventory.gpus if gpu.bindable and not _misses(request, gpu, share)]
     if not matching or (wanted is not None and (wanted > max_gpus or wanted > len(matching))):
         raise _never(request, inventory, wanted, matching, max_gpus)
     free = [gpu for gpu in matching if gpu.in_use_by is None]
@@ -72,7 +73,8 @@ def select(
 
 def _named(request: GpuRequest, inventory: Inventory, max_gpus: int) -> list[Gpu]:
     gpus = _resolve(request.devices, inventory)
-    filtered = {gpu.bdf: misses for gpu in gpus if (misses := _misses(request, gpu))}
+    share = _unified_share(request, inventory)
+    filtered = {gpu.bdf: misses for gpu in gpus if (misses := _misses(request, gpu, share))}
     if filtered:
         first_misses = next(iter(filtered.values()))
         raise InvalidArgument(
@@ -103,18 +105,13 @@ def _named(request: GpuRequest, inventory: Inventory, max_gpus: int) -> list[Gpu
 
 
 def _resolve(device_ids: Sequence[str], inventory: Inventory) -> list[Gpu]:
-    """The GPUs that canonical device ids name: BDF, ``GPU-`` UUID or inventory index."""
+    """The GPUs that canonical device ids name: BDF, ``GPU-`` UUID, DRM card or index."""
     gpus: dict[str, Gpu] = {}
     named_as: dict[str, str] = {}
     for device_id in device_ids:
-        gpu = _lookup(device_id, inventory)
+        gpu = inventory.by_device_id(device_id)
         if gpu is None:
-            valid = [
-                ident
-                for gpu in inventory.gpus
-                for ident in (gpu.bdf, str(gpu.index), gpu.uuid)
-                if ident is not None
-            ]
+            valid = [ident for gpu in inventory.gpus for ident in gpu.device_ids()]
             choices = ", ".join(valid) if valid else "none: this host has no GPUs"
             raise InvalidArgument(
                 f"devices: no GPU {device_id!r} on this host; valid ids: {choices}",
@@ -131,28 +128,41 @@ def _resolve(device_ids: Sequence[str], inventory: Inventory) -> list[Gpu]:
     return list(gpus.values())
 
 
-def _lookup(device_id: str, inventory: Inventory) -> Gpu | None:
-    if ":" in device_id:
-        return inventory.by_bdf(device_id)
-    if device_id.startswith("GPU-"):
-        return next(
-            (g for g in inventory.gpus if (g.uuid or "").lower() == device_id.lower()), None
-        )
-    return next((gpu for gpu in inventory.gpus if str(gpu.index) == device_id), None)
+def _unified_share(request: GpuRequest, inventory: Inventory) -> int | None:
+    """MiB of the unified memory pool each asked-for GPU may count on, as FlowMesh reckons it.
+
+    FlowMesh (``unified_gpu_memory_satisfies`` in src/shared/utils/hardware.py): on a host whose
+    GPUs use the host's memory, the pool divided by the number of GPUs asked for (1 for every
+    free GPU) stands in for each GPU's own memory.
+    """
+    if inventory.unified_memory_mib is None:
+        return None
+    return inventory.unified_memory_mib // (request.wanted() or 1)
 
 
-def _misses(request: GpuRequest, gpu: Gpu) -> dict[str, str]:
-    """Each filter of ``request`` that ``gpu`` fails: field name -> why."""
+def _misses(request: GpuRequest, gpu: Gpu, unified_share: int | None = None) -> dict[str, str]:
+    """Each filter of ``request`` that ``gpu`` fails: field name -> why.
+
+    ``unified_share`` stands in for the memory of a GPU whose ``memory_source`` is "unified".
+    """
     misses = {}
     if request.vendor is not None and gpu.vendor != request.vendor:
         misses["vendor"] = f"it is an {gpu.vendor} GPU, not {request.vendor}"
     if request.model is not None and not (gpu.name and model_matches(request.model, gpu.name)):
         name = f"{gpu.name!r} does not match" if gpu.name else "is unknown, so it cannot match"
         misses["model"] = f"its name {name} {request.model!r}"
+    memory = gpu.memory_mib
+    if memory is None and gpu.memory_source == "unified":
+        memory = unified_share
     if request.min_memory_mib is not None and not (
-        gpu.memory_mib is not None and memory_satisfies(request.min_memory_mib, gpu.memory_mib)
+        memory is not None and memory_satisfies(request.min_memory_mib, memory)
     ):
-        has = f"{gpu.memory_mib} MiB" if gpu.memory_mib is not None else "an unknown amount"
+        if gpu.memory_mib is not None:
+            has = f"{gpu.memory_mib} MiB"
+        elif memory is not None:
+            has = f"a {memory} MiB share of the host's unified memory"
+        else:
+            has = "an unknown amount"
         misses["min_memory_mib"] = f"it has {has}, {request.min_memory_mib} MiB asked"
     return misses
 
@@ -208,10 +218,11 @@ def _never(
             f"{asked} asked, but a sandbox takes at most {max_gpus}", details=details
         )
     not_bindable = {gpu.bdf: list(gpu.reasons) for gpu in inventory.gpus if not gpu.bindable}
+    share = _unified_share(request, inventory)
     filtered = {
         gpu.bdf: misses
         for gpu in inventory.gpus
-        if gpu.bindable and (misses := _misses(request, gpu))
+        if gpu.bindable and (misses := _misses(request, gpu, share))
     }
     details |= {"gpus": len(inventory.gpus), "not_bindable": not_bindable}
     details |= {"filtered_out": filtered, "iommu": inventory.iommu}
