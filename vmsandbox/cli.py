@@ -373,14 +373,16 @@ def _report_table(report: dict[str, Any]) -> str:
 
 
 def _cmd_gpus(_args: argparse.Namespace) -> int:
+    from vmsandbox.fabric.render import report
     from vmsandbox.host import render_table
 
     with _manager(progress=False) as manager:
         inventory = manager.gpus()
+        fabric_text, fabric = report(manager.config, inventory)
     if _JSON:
-        print(json.dumps(inventory.to_dict(), indent=2))
+        print(json.dumps({**inventory.to_dict(), "nvswitch_fabric": fabric}, indent=2))
     else:
-        sys.stdout.write(render_table(inventory))
+        sys.stdout.write(render_table(inventory) + fabric_text)
     return 0
 
 
