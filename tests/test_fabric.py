@@ -22,6 +22,7 @@ from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from vmsandbox.fabric import nvlink, render, state
 from vmsandbox.fabric.fmpm import Fmpm
+from vmsandbox.fabric.lease import FabricLease
 from vmsandbox.fabric.mode import FULL_PASSTHROUGH, NONE, SHARED, VGPU, FabricMode, detect
 from vmsandbox.fabric.partitions import parse_partition_list
 from vmsandbox.fabric.state import Fabric
@@ -41,6 +42,7 @@ FAKE_FMPM = FIXTURES / "fmpm" / "fmpm"
 FAKE_FM = FIXTURES / "fmpm" / "nv-fabricmanager"
 GUEST = FIXTURES / "guest" / "fabric"
 # FM physical id order of the fake's H100 table: 1-4 are node 0 (41, 42, 18, 19)
+DRIVER = "535.216.01"
 NODE0 = ["0000:18:00.0", "0000:19:00.0", "0000:41:00.0", "0000:42:00.0"]
 
 
@@ -485,3 +487,22 @@ def test_gpus_cli_on_the_fake_hgx_host(fm: Path, tmp_path: Path, config: Config)
     assert as_text.returncode == 0, as_text.stderr
     assert "Fabric Manager partitions:" in as_text.stdout
     assert "fabric: shared-nvswitch" in as_text.stdout
+
+
+def test_lease_ledger_follows_activation(fm: Path, tmp_path: Path) -> None:
+    config = Config.load(
+        "/nonexistent", state_dir=str(tmp_path / "state"), fmpm=str(FAKE_FMPM), fm_version=DRIVER
+    )
+    lease = FabricLease(config)
+    lease.release("nobody")  # no lease: FM is not asked
+    assert not (fm / "calls.log").exists()
+    lease.activate(1, "train", image="nvidia", image_driver=DRIVER)
+    with pytest.raises(FailedPrecondition, match="Failed to activate partition"):
+        lease.activate(3, "other", image="nvidia", image_driver=DRIVER)  # overlaps 1
+    assert lease.leases() == {1: "train"}  # the refused one left nothing
+    with pytest.raises(FailedPrecondition, match=re.escape("NVIDIA driver 470.1, but")):
+        lease.activate(2, "old", image="old", image_driver="470.1")
+    assert lease.leases() == {1: "train"} and "-a 2" not in (fm / "calls.log").read_text()
+    assert lease.reconcile({"train"}) == [] and lease.leases() == {1: "train"}
+    lease.release("train")
+    assert lease.leases() == {} and fmpm().list().active() == ()

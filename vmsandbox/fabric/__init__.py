@@ -9,5 +9,6 @@ One module per concept:
 - ``policy``: the pure choice of a partition, or the full-passthrough shapes, for a request;
 - ``version``: the rule that the guest's NVIDIA driver matches the host's Fabric Manager;
 - ``nvlink``: in-guest NVLink checks (``nvidia-smi nvlink --status``, ``topo -m``, CUDA 802);
-- ``render``: the fabric part of ``vmsandbox gpus``.
+- ``render``: the fabric part of ``vmsandbox gpus``;
+- ``lease``: activation and release of a sandbox's partition, with a ledger that survives crashes.
 """
