@@ -292,6 +292,10 @@ def test_full_passthrough_shapes(hgx: Inventory) -> None:
         assert err.value.details["allowed"] == [1, 8]
     with pytest.raises(FailedPrecondition, match="can never give 9 GPUs"):
         allocate(GpuRequest(count=9), hgx, fabric=fabric)
+    with pytest.raises(InvalidArgument, match=re.escape("no GPU '0000:77:00.0'")):
+        allocate(GpuRequest(devices=["0000:77:00.0", HGX[0]]), hgx, fabric=fabric)
+    named = allocate(GpuRequest(devices=list(reversed(HGX))), hgx, fabric=fabric)
+    assert len(named.switches) == 4
     switch = hgx.fabric[0].bdf
     taken = replace(hgx, fabric=(replace(hgx.fabric[0], in_use_by="vmsbx-old"), *hgx.fabric[1:]))
     with pytest.raises(ResourceExhausted, match=f"{switch} by domain 'vmsbx-old'"):

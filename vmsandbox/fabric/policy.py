@@ -21,10 +21,11 @@ nodes, (2) fewest PCIe switches, (3) best fit: the one that overlaps the fewest 
 partitions, so larger partitions stay free, (4) lowest BDFs. ``all=True`` takes the largest
 free partition a sandbox may hold.
 
-Full passthrough (no FM for guests on this host): one GPU (no NVLink) as ``select`` places it,
-or every GPU of the board together with every NVSwitch (the guest runs FM itself; ``all=True``
-asks for that). 2 up to one less than the board is FAILED_PRECONDITION naming shared NVSwitch
-mode as the fix; an NVSwitch held by a domain is RESOURCE_EXHAUSTED.
+Full passthrough (no FM for guests on this host), after the named devices resolve: one GPU
+(no NVLink) as ``select`` places it, or every GPU of the board together with every NVSwitch
+(the guest runs FM itself; ``all=True`` asks for that). 2 up to one less than the board is
+FAILED_PRECONDITION naming shared NVSwitch mode as the fix; an NVSwitch held by a domain is
+RESOURCE_EXHAUSTED.
 
 vGPU mode (``FABRIC_MODE=2``) is FAILED_PRECONDITION: it does not pass whole GPUs.
 """
@@ -191,6 +192,8 @@ def _no_such_size(
 
 def _full_passthrough(request: GpuRequest, inventory: Inventory, max_gpus: int) -> Allocation:
     board = len(inventory.gpus)
+    if request.devices:
+        resolve_devices(request.devices, inventory)  # unknown ids first: INVALID_ARGUMENT
     wanted = board if request.all else request.wanted()
     assert wanted is not None
     if wanted == 1 or wanted > board:
