@@ -16,7 +16,7 @@ default when the key is absent), 1 shared NVSwitch, 2 vGPU. What vmsandbox makes
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ class FabricMode:
     kind: str
     switches: tuple[str, ...] = ()
     source: str = ""
-    fabric_mode: int | None = field(default=None)  # FABRIC_MODE as read, if it was
+    fabric_mode: int | None = None  # FABRIC_MODE as read, if it was
 
     def to_dict(self) -> dict[str, Any]:
         return {
