@@ -156,6 +156,7 @@ def test_hgx_lists_nvswitches_as_fabric_only(hgx: list[dict[str, Any]]) -> None:
             "driver": "nvidia",
             "numa_node": 0,
             "iommu_group": group,
+            "in_use_by": None,
         }
         for bus, group in [(0x08, 20), (0x09, 21), (0x0A, 22), (0x0B, 23)]
     ]

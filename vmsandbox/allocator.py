@@ -15,18 +15,29 @@ Errors, most permanent first (a request with several problems gets the first tha
 
 ``details`` carries the data behind each message: ``valid_ids``, ``held_by`` (BDF -> domain),
 ``not_bindable`` (BDF -> reasons), ``filtered_out`` (BDF -> failed filters) and the counts.
+
+``allocate`` is the entry point the manager uses: ``select`` on a host without NVSwitches, and
+on an NVSwitch board the fabric policy (``vmsandbox.fabric.policy.choose``), which takes whole
+Fabric Manager partitions in shared NVSwitch mode and allows only the shapes that work in full
+passthrough. Its errors keep the same order; the policy's docstring lists them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from vmsandbox.gpuquery import memory_satisfies, model_matches
 from vmsandbox.host.discover import IOMMU_OFF
-from vmsandbox.host.model import Gpu, Inventory
+from vmsandbox.host.model import FabricDevice, Gpu, Inventory
 from vmsandbox.spec import GpuRequest
+
+if TYPE_CHECKING:
+    from vmsandbox.fabric.partitions import Partition
+    from vmsandbox.fabric.state import Fabric
 
 DEFAULT_MAX_GPUS = 16
 _LISTED = 3  # GPUs named one by one in a message before "and N more"
@@ -38,6 +49,32 @@ _LEVELS: tuple[_Level, ...] = (
     lambda gpu: gpu.numa_node,
     lambda gpu: gpu.pcie_switch or gpu.bdf,
 )
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What a sandbox gets: its GPUs (sorted by BDF), the Fabric Manager partition that
+    connects them (shared NVSwitch mode), and NVSwitches passed along (full passthrough)."""
+
+    gpus: tuple[Gpu, ...]
+    partition: Partition | None = None
+    switches: tuple[FabricDevice, ...] = ()
+
+
+def allocate(
+    request: GpuRequest,
+    inventory: Inventory,
+    *,
+    max_gpus: int = DEFAULT_MAX_GPUS,
+    fabric: Fabric | None = None,
+) -> Allocation:
+    """The allocation for ``request``: ``select`` when ``fabric`` is None or the host has no
+    NVSwitch, else the fabric policy for the host's fabric model."""
+    if fabric is None or not inventory.fabric:
+        return Allocation(tuple(select(request, inventory, max_gpus=max_gpus)))
+    from vmsandbox.fabric.policy import choose  # the policy builds on this module
+
+    return choose(request, inventory, fabric, max_gpus)
 
 
 def select(
@@ -61,7 +98,9 @@ def select(
         return _named(request, inventory, max_gpus)
     wanted = request.wanted()
     share = _unified_share(request, inventory)
-    matching = [gpu for gpu in inventory.gpus if gpu.bindable and not _misses(request, gpu, share)]
+    matching = [
+        gpu for gpu in inventory.gpus if gpu.bindable and not request_misses(request, gpu, share)
+    ]
     if not matching or (wanted is not None and (wanted > max_gpus or wanted > len(matching))):
         raise _never(request, inventory, wanted, matching, max_gpus)
     free = [gpu for gpu in matching if gpu.in_use_by is None]
@@ -72,9 +111,9 @@ def select(
 
 
 def _named(request: GpuRequest, inventory: Inventory, max_gpus: int) -> list[Gpu]:
-    gpus = _resolve(request.devices, inventory)
+    gpus = resolve_devices(request.devices, inventory)
     share = _unified_share(request, inventory)
-    filtered = {gpu.bdf: misses for gpu in gpus if (misses := _misses(request, gpu, share))}
+    filtered = {gpu.bdf: misses for gpu in gpus if (misses := request_misses(request, gpu, share))}
     if filtered:
         first_misses = next(iter(filtered.values()))
         raise InvalidArgument(
@@ -104,7 +143,7 @@ def _named(request: GpuRequest, inventory: Inventory, max_gpus: int) -> list[Gpu
     return gpus
 
 
-def _resolve(device_ids: Sequence[str], inventory: Inventory) -> list[Gpu]:
+def resolve_devices(device_ids: Sequence[str], inventory: Inventory) -> list[Gpu]:
     """The GPUs that canonical device ids name: BDF, ``GPU-`` UUID, DRM card or index."""
     gpus: dict[str, Gpu] = {}
     named_as: dict[str, str] = {}
@@ -140,7 +179,9 @@ def _unified_share(request: GpuRequest, inventory: Inventory) -> int | None:
     return inventory.unified_memory_mib // (request.wanted() or 1)
 
 
-def _misses(request: GpuRequest, gpu: Gpu, unified_share: int | None = None) -> dict[str, str]:
+def request_misses(
+    request: GpuRequest, gpu: Gpu, unified_share: int | None = None
+) -> dict[str, str]:
     """Each filter of ``request`` that ``gpu`` fails: field name -> why.
 
     ``unified_share`` stands in for the memory of a GPU whose ``memory_source`` is "unified".
@@ -222,7 +263,7 @@ def _never(
     filtered = {
         gpu.bdf: misses
         for gpu in inventory.gpus
-        if gpu.bindable and (misses := _misses(request, gpu, share))
+        if gpu.bindable and (misses := request_misses(request, gpu, share))
     }
     details |= {"gpus": len(inventory.gpus), "not_bindable": not_bindable}
     details |= {"filtered_out": filtered, "iommu": inventory.iommu}

@@ -247,11 +247,16 @@ def _report_table(report: dict[str, Any]) -> str:
 
 
 def _cmd_gpus(_args: argparse.Namespace, out: Output) -> int:
+    from vmsandbox.fabric.render import report
     from vmsandbox.host import render_table
 
     with _manager() as manager:
         inventory = manager.gpus()
-    out.result(inventory.to_dict(), render_table(inventory).rstrip("\n"))
+        fabric_text, fabric = report(manager.config, inventory)
+    out.result(
+        {**inventory.to_dict(), "nvswitch_fabric": fabric},
+        (render_table(inventory) + fabric_text).rstrip("\n"),
+    )
     return 0
 
 

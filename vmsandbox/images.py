@@ -38,6 +38,7 @@ from vmsandbox.errors import (
     NotFound,
     ResourceExhausted,
 )
+from vmsandbox.fabric.version import image_driver_version
 from vmsandbox.progress import Progress, silent
 from vmsandbox.resources import RECIPES
 from vmsandbox.spec import validate_image_name
@@ -303,6 +304,7 @@ def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, An
     kernel_version = kernels[-1].name.removeprefix("vmlinuz-")
     shutil.copyfile(kernels[-1], tmp / "vmlinuz")
     shutil.copyfile(initrds[-1], tmp / "initrd.img")
+    nvidia_driver = image_driver_version(rootdir)  # shared NVSwitch mode's version rule
     used = _tree_size(rootdir)
     size_mib = (used * 12 // 10) // 2**20 + int(data.get("headroom_mib", 512))
     progress(f"making ext4 filesystem ({size_mib} MiB, {used // 2**20} MiB of files)")
@@ -321,6 +323,7 @@ def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, An
         "kernel_version": kernel_version,
         "cmdline": KERNEL_CMDLINE,
         "packages": packages,
+        "nvidia_driver_version": nvidia_driver,
     }
 
 

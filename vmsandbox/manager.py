@@ -39,6 +39,7 @@ from vmsandbox.errors import (
     ResourceExhausted,
     VmSandboxError,
 )
+from vmsandbox.fabric.lease import FabricLease
 from vmsandbox.hypervisor import is_alive, libvirt_errors, open_connection
 from vmsandbox.images import KERNEL_CMDLINE, BaseImage, ImageStore, make_overlay
 from vmsandbox.keys import SandboxKeys
@@ -48,6 +49,7 @@ from vmsandbox.seed import network_config, write_seed
 from vmsandbox.spec import SandboxSpec, generate_name, validate_name
 
 if TYPE_CHECKING:  # importing vmsandbox.host loads pyudev: only GPU paths pay for it
+    from vmsandbox.allocator import Allocation
     from vmsandbox.host.model import Gpu, Inventory
 
 STATE_CREATING = "creating"
@@ -350,12 +352,11 @@ class SandboxManager:
         if virt_type == "auto":
             virt_type = virt.cached(cache=self.config.state_dir / "virt-probe.json") or "qemu"
         with self._locked():
-            gpus = self._choose_gpus(spec)
+            chosen = self._choose_gpus(spec)
             port = self._free_port() if self.config.network == "user" else None
-        plan = self._plan(
-            spec, name, image, virt_type, SandboxPaths.of(self.config, name), port, gpus, record={}
-        )
-        return domain_xml.build_domain_xml(plan), gpus
+        paths = SandboxPaths.of(self.config, name)
+        plan = self._plan(spec, name, image, virt_type, paths, port, chosen, record={})
+        return domain_xml.build_domain_xml(plan), list(chosen.gpus)
 
     def _check_disk(self, spec: SandboxSpec, image: BaseImage) -> None:
         if spec.disk_gib * 2**30 < image.virtual_size:
@@ -372,13 +373,18 @@ class SandboxManager:
             say("probing whether KVM runs guests on this host (once, then cached)")
         return virt.resolve(requested, cache=cache, kernel=image.kernel)
 
-    def _choose_gpus(self, spec: SandboxSpec) -> list[Gpu]:
-        """Under the host lock: the GPUs for ``spec``, free on every domain of the connection."""
-        if spec.gpu is None:
-            return []
+    def _choose_gpus(self, spec: SandboxSpec) -> Allocation:
+        """Under the host lock: the GPUs for ``spec``, free on every domain of the connection
+        (on NVSwitch boards with their FM partition, read from FM now, or NVSwitches)."""
         from vmsandbox import allocator
 
-        return allocator.select(spec.gpu, self.gpus(), max_gpus=self.config.max_gpus)
+        if spec.gpu is None:
+            return allocator.Allocation(())
+        from vmsandbox.fabric import state
+
+        inventory = self.gpus()
+        fabric = state.read(self.config, inventory)
+        return allocator.allocate(spec.gpu, inventory, max_gpus=self.config.max_gpus, fabric=fabric)
 
     def gpus(self) -> Inventory:
         """The host's GPU inventory, with ``in_use_by`` read from all libvirt domains."""
@@ -398,9 +404,16 @@ class SandboxManager:
         say: Progress,
     ) -> libvirt.virDomain:
         """Under the host lock, with the name free: choose GPUs, make the files, define."""
-        gpus = self._choose_gpus(spec)
-        if gpus:
-            say("GPUs: " + ", ".join(f"{gpu.bdf} ({gpu.name or gpu.device_id})" for gpu in gpus))
+        chosen = self._choose_gpus(spec)
+        if chosen.gpus:
+            say("GPUs: " + ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in chosen.gpus))
+        if chosen.partition is not None:
+            say(f"activating Fabric Manager partition {chosen.partition.id}")
+            driver = image.meta.get("nvidia_driver_version")
+            FabricLease(self.config).activate(
+                chosen.partition.id, name, image=image.name, image_driver=driver
+            )
+            _checkpoint("activated")
         paths.remove()  # files without a domain are leftovers of a killed create
         alias = domain_xml.DOMAIN_PREFIX + name
         mac = "52:54:00:" + ":".join(f"{b:02x}" for b in os.urandom(3))
@@ -427,8 +440,9 @@ class SandboxManager:
             "host_key_alias": alias,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "creator": _process_identity(),
+            "fabric_partition": chosen.partition.id if chosen.partition else None,
         }
-        plan = self._plan(spec, name, image, virt_type, paths, port, gpus, record)
+        plan = self._plan(spec, name, image, virt_type, paths, port, chosen, record)
         xml = domain_xml.build_domain_xml(plan)
         with libvirt_errors(f"defining sandbox {name!r}"):
             return self.conn.defineXML(xml)
@@ -441,11 +455,12 @@ class SandboxManager:
         virt_type: str,
         paths: SandboxPaths,
         port: int | None,
-        gpus: list[Gpu],
+        chosen: Allocation,
         record: dict[str, Any],
     ) -> domain_xml.DomainPlan:
         """The DomainPlan of a sandbox (``image`` None: where an unbuilt image will be)."""
         cfg = self.config
+        gpus = list(chosen.gpus)
         image_dir = image.path if image else cfg.images / spec.image / "current"
         kernel = image.kernel if image else image_dir / "vmlinuz"
         record = {
@@ -495,6 +510,7 @@ class SandboxManager:
                 memory_mib=spec.memory_mib,
                 virt_type=virt_type,
                 pin=cfg.numa_pinning,
+                switches=[device.bdf for device in chosen.switches],
             )
             plan.extra.append(functools.partial(passthrough.apply, plan=extra))
         return plan
@@ -744,6 +760,7 @@ class SandboxManager:
                     with libvirt_errors(f"removing sandbox {name!r}"):
                         raise
         paths.remove()
+        FabricLease(self.config).release(name)
 
     # -- repair -------------------------------------------------------------------------------
 
@@ -759,7 +776,9 @@ class SandboxManager:
         """
         removed: list[str] = []
         problems: list[str] = []
+        fabric = FabricLease(self.config)
         with self._locked():
+            leased = fabric.leases()
             domains = [found for found in self._domains() if self._is_local(found[1])]
             for dom, rec, state in domains:
                 name = rec["name"]
@@ -791,7 +810,14 @@ class SandboxManager:
             for name in _names_on_disk(self.config) - known:
                 SandboxPaths.of(self.config, name).remove()
                 removed.append(name)
-        return {"removed": sorted(set(removed)), "problems": problems}
+            live = {rec["name"] for _dom, rec, _state in self._domains() if self._is_local(rec)}
+            problems += fabric.reconcile(live)
+            released = sorted(set(leased) - set(fabric.leases()))
+        return {
+            "removed": sorted(set(removed)),
+            "problems": problems,
+            "fabric_partitions": [str(partition) for partition in released],
+        }
 
     def _is_local(self, record: dict[str, Any]) -> bool:
         """Whether a sandbox was made with this state directory (its keys are kept here)."""
@@ -842,7 +868,8 @@ def _host_files(doing: str) -> Iterator[None]:
 
 def _checkpoint(stage: str) -> None:
     """Crash-test seam: with ``VMSANDBOX_CRASH_AT=<stage>`` the create announces the stage on
-    stderr and waits there to be killed (stages: locked, overlay, defined, started, waiting)."""
+    stderr and waits there to be killed (stages: locked, activated (a fabric partition),
+    overlay, defined, started, waiting)."""
     if os.environ.get("VMSANDBOX_CRASH_AT") == stage:
         print(f"vmsandbox-checkpoint {stage}", file=sys.stderr, flush=True)
         time.sleep(3600)

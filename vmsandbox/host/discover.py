@@ -140,7 +140,7 @@ class _Host:
         return reasons
 
 
-def _fabric(function: PciFunction) -> FabricDevice:
+def _fabric(function: PciFunction, holders: Mapping[str, str]) -> FabricDevice:
     return FabricDevice(
         bdf=function.bdf,
         vendor=VENDORS[function.vendor_id],
@@ -151,6 +151,7 @@ def _fabric(function: PciFunction) -> FabricDevice:
         driver=function.driver,
         numa_node=function.numa_node,
         iommu_group=function.iommu_group,
+        in_use_by=holders.get(function.bdf),
     )
 
 
@@ -215,7 +216,7 @@ def discover(
     host = _Host(scan_pci())
     holders = {canonical_bdf(bdf): name for bdf, name in (in_use or {}).items()}
     gpu_functions = [f for f in host.functions.values() if _kind(f) == "gpu"]
-    fabric = [_fabric(f) for f in host.functions.values() if _kind(f) == "fabric"]
+    fabric = [_fabric(f, holders) for f in host.functions.values() if _kind(f) == "fabric"]
 
     report = NvmlReport(False, {})
     if use_nvml and any(gpu.driver == NVIDIA_DRIVER for gpu in gpu_functions):

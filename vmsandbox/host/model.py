@@ -66,7 +66,8 @@ class Gpu:
 
 @dataclass(frozen=True)
 class FabricDevice:
-    """A GPU fabric device (an NVIDIA NVSwitch): listed, never passed as a GPU."""
+    """A GPU fabric device (an NVIDIA NVSwitch): never passed as a GPU; in full passthrough
+    the guest that takes every GPU of the board takes every NVSwitch too."""
 
     bdf: str
     vendor: str
@@ -77,6 +78,7 @@ class FabricDevice:
     driver: str | None
     numa_node: int | None
     iommu_group: int | None
+    in_use_by: str | None = None  # the libvirt domain whose XML holds it, as for GPUs
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
