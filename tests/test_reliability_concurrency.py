@@ -62,7 +62,7 @@ def test_four_parallel_creates_then_four_parallel_destroys(config: Config) -> No
         created = in_parallel(config, [("create", name, *SMALL) for name in names])
         assert [code for code, _err in created] == [0, 0, 0, 0], created
         sandboxes = listed(config)
-        assert all(sandboxes[name]["state"] == "ready" for name in names)
+        assert all(sandboxes[name]["state"] == "started" for name in names)  # --no-wait
         ports = {sandboxes[name]["ssh"]["port"] for name in names}
         assert len(ports) == 4, "each sandbox forwards SSH on its own port"
         destroyed = in_parallel(config, [("destroy", name) for name in names])
@@ -102,7 +102,7 @@ def test_two_creates_of_one_name_give_one_sandbox_and_already_exists(config: Con
         assert codes == [0, 4], results
         loser = next(err for code, err in results if code == 4)
         assert "error: ALREADY_EXISTS: " in loser
-        assert listed(config)[name]["state"] == "ready"
+        assert listed(config)[name]["state"] == "started"  # --no-wait
         made = leftovers(config, name)
         assert f"domain vmsbx-{name}" in made and len(made) >= 4  # domain, overlay, seed, keys
         assert cli("destroy", name, config=config).returncode == 0

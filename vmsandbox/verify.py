@@ -51,10 +51,6 @@ COMPUTE_TIMEOUT_PER_GPU = 30.0
 # nvidia-smi memory against the host's figure: ECC on GDDR boards hides 1/16 (6.25%) of it.
 MEMORY_SLACK_PERCENT = 7
 
-# Guest boot time beyond ``base`` once GPUs are passed (see ``boot_timeout``).
-PIN_SECONDS_PER_GIB = 0.5
-SECONDS_PER_GPU = 30.0
-
 NVIDIA_VENDOR_ID = "10de"
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 NO_DRIVER = "image has no NVIDIA driver"
@@ -496,21 +492,6 @@ def raise_if_failed(
         + (f"; and {more} more" if more else ""),
         details={**(details or {}), "verification": report.to_dict()},
     )
-
-
-def boot_timeout(base: float, memory_mib: int, gpus: int) -> float:
-    """Seconds to wait for SSH: ``base`` without GPUs; with GPUs, ``PIN_SECONDS_PER_GIB`` more
-    per GiB of guest memory and ``SECONDS_PER_GPU`` more per GPU.
-
-    With VFIO the host pins every page of guest RAM for DMA (faulting in and zeroing each one:
-    real hosts take from a fraction of a second to seconds per GiB, much of it while QEMU
-    starts), and the firmware and guest kernel then walk all of it; per GPU, OVMF sizes and maps
-    its BARs and the guest driver boots it (GSP firmware on Turing and later), tens of seconds
-    each. A 2 TiB guest with eight GPUs waits ``base`` + 1024 + 240 seconds.
-    """
-    if gpus <= 0:
-        return base
-    return base + PIN_SECONDS_PER_GIB * memory_mib / 1024 + SECONDS_PER_GPU * gpus
 
 
 def render_report(report: VerificationReport) -> str:
