@@ -77,10 +77,10 @@ class Creation(Remains):
     image: BaseImage
     virt_type: str
     progress: Progress
-    exists: Callable[[str], bool] = lambda _name: False
-    choose_gpus: Callable[[], list[Gpu]] = list
-    free_port: Callable[[], int] = lambda: 0
-    host_cpus: Callable[[], dict[int, list[int]] | None] = lambda: None
+    exists: Callable[[str], bool]  # whether a sandbox of that name exists
+    choose_gpus: Callable[[], list[Gpu]]  # under the lock
+    free_port: Callable[[], int]
+    host_cpus: Callable[[], dict[int, list[int]]]  # host CPUs per NUMA node, for pinning
     timeout: float | None = None
     start: bool = True
     wait: bool = True
@@ -88,7 +88,6 @@ class Creation(Remains):
     state: str = STATE_CREATING
     gpus: list[Gpu] = field(default_factory=list)
     mac: str = field(default_factory=plan.new_mac)
-    keys: SandboxKeys | None = None
     pairs: tuple[KeyPair, KeyPair] | None = None
     planned: plan.SandboxPlan | None = None
     endpoint: Endpoint | None = None
@@ -97,6 +96,9 @@ class Creation(Remains):
 
 @dataclass(frozen=True)
 class Step:
+    """One create step: ``do`` makes something, ``undo`` takes it back (idempotent, from what
+    is stored); ``locked`` steps run under the host lock."""
+
     name: str
     do: Callable[[Creation], None]
     undo: Callable[[Remains], None] | None = None
@@ -120,7 +122,7 @@ def _gpus(c: Creation) -> None:
 
 def _keys(c: Creation) -> None:
     with _host_files(f"writing the keys of sandbox {c.name!r} to {c.files.keys_dir}"):
-        c.keys, client, host = SandboxKeys.create(c.files.keys_dir, c.domain)
+        _keys, client, host = SandboxKeys.create(c.files.keys_dir, c.domain)
     c.pairs = (client, host)
 
 
