@@ -8,6 +8,8 @@ Guests are created with ``--no-wait`` (QEMU runs, nobody waits for SSH) to keep 
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +19,8 @@ import pytest
 from conftest import cli, cli_env, leftovers
 
 from vmsandbox.config import Config
-from vmsandbox.spec import generate_name
+from vmsandbox.manager import SandboxManager
+from vmsandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.libvirt
 
@@ -109,3 +112,33 @@ def test_two_creates_of_one_name_give_one_sandbox_and_already_exists(config: Con
         assert leftovers(config, name) == []
     finally:
         cleanup(config, [name])
+
+
+def test_a_forwarded_port_taken_before_qemu_starts_is_replaced(config: Config) -> None:
+    """Another program binds the SSH port chosen for a sandbox between define and start: the
+    real QEMU cannot forward it, and the create plans another port and starts (defect 8e)."""
+    name, said = generate_name("t"), []
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+    def take_the_port(stage: str) -> None:
+        if stage == "define":
+            xml = manager.conn.lookupByName(f"vmsbx-{name}").XMLDesc(0)
+            found = re.search(r"hostfwd=tcp:127\.0\.0\.1:(\d+)-", xml)
+            assert found is not None
+            port = int(found.group(1))
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+
+    try:
+        with SandboxManager(
+            config, progress=said.append, reconcile=False, checkpoint=take_the_port
+        ) as manager:
+            sandbox = manager.create(SandboxSpec(name=name, memory_mib=256), wait=False)
+            assert any("was taken meanwhile" in line for line in said), said
+            assert sandbox.ssh is not None
+            assert sandbox.ssh.port != squatter.getsockname()[1]
+            assert manager.get(name).state == "started"
+    finally:
+        squatter.close()
+        cleanup(config, [name])
+    assert leftovers(config, name) == []
