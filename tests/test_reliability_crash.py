@@ -376,8 +376,8 @@ def test_reconcile_ignores_records_that_do_not_name_their_own_domain(
     paths = SandboxFiles.of(cfg, victim)
     for path in (paths.overlay, paths.seed):
         path.write_text("victim")
-    paths.keys.mkdir()
-    (paths.keys / "id_ed25519").write_text("victim")
+    paths.keys_dir.mkdir()
+    (paths.keys_dir / "id_ed25519").write_text("victim")
     # Outside the state directory, where '../../' from its sandboxes folder leads.
     canary = cfg.state_dir.parent / f"t-canary-{token}"
     canary.mkdir()
@@ -398,9 +398,9 @@ def test_reconcile_ignores_records_that_do_not_name_their_own_domain(
     assert (canary / "keep").exists()
     assert canary.with_name(canary.name + ".qcow2").exists()
     assert sorted(map(str, paths.existing())) == sorted(
-        map(str, [paths.overlay, paths.seed, paths.keys])
+        map(str, [paths.overlay, paths.seed, paths.keys_dir])
     )
-    assert (paths.keys / "id_ed25519").exists()
+    assert (paths.keys_dir / "id_ed25519").exists()
     for name in evil:
         assert domain_exists(cfg.uri, name), f"{name} is not a sandbox; it must stay"
 
@@ -449,8 +449,8 @@ def test_reconcile_leaves_a_create_in_flight_alone(config: Config) -> None:
 def test_reconcile_removes_files_without_a_domain(config: Config) -> None:
     name = generate_name("t")
     paths = SandboxFiles.of(config, name)
-    paths.keys.mkdir(mode=0o700)
-    (paths.keys / "id_ed25519").write_text("orphan")
+    paths.keys_dir.mkdir(mode=0o700)
+    (paths.keys_dir / "id_ed25519").write_text("orphan")
     paths.overlay.with_name(paths.overlay.name + ".partial").write_text("half")
     paths.console_log.write_text("boot")
     report = reconcile_cli(config)
