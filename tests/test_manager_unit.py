@@ -250,3 +250,19 @@ def test_reconcile_reports_a_running_sandbox_without_files(
     report = manager.reconcile()
     assert report["removed"] == [] and "running, but its files are gone" in report["problems"][0]
     assert hv.domains["vmsbx-unit"].running
+
+
+def test_a_step_that_fails_halfway_is_undone_too(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    """define fails after the domain exists (as libvirt can when it saves its config): the
+    define step's own undo removes it."""
+
+    def define_then_fail(xml: str) -> None:
+        FakeHypervisor.define(hv, xml)
+        raise FailedPrecondition("libvirt refused: cannot write the config")
+
+    hv.define = define_then_fail  # type: ignore[method-assign]
+    with pytest.raises(FailedPrecondition, match="cannot write the config"):
+        manager.create(spec(), wait=False)
+    assert left(config, hv) == []

@@ -1,9 +1,10 @@
 """The steps that make a sandbox, each with the undo that takes it back.
 
-``create`` runs ``CREATE_STEPS`` in order; when one fails, the undos of the steps that finished
-run newest first. ``destroy`` and reconcile run every undo (``teardown``): undos are idempotent
-and work from what is stored (domain name, files, record), so a sandbox left half-made by a
-killed process is taken apart the same way. Adding a lifecycle step (say, activating a fabric
+``create`` runs ``CREATE_STEPS`` in order; when one fails, the undos of the steps that ran (the
+failing one included: it may have done half its work) run newest first. ``destroy`` and
+reconcile run every undo (``teardown``): undos are idempotent and work from what is stored
+(domain name, files, record), so a sandbox left half-made by a killed process is taken apart
+the same way. Adding a lifecycle step (say, activating a fabric
 partition before ``define``) is one ``Step`` in ``CREATE_STEPS``.
 
 Steps marked ``locked`` run under the host lock (names, ports and GPUs are chosen there, and the
@@ -272,7 +273,8 @@ def run(
     lock: Callable[[], contextlib.AbstractContextManager[None]],
     checkpoint: Callable[[str], None],
 ) -> None:
-    """Run ``steps``; on any failure undo the finished ones (newest first) and re-raise.
+    """Run ``steps``; on any failure undo the ones that ran, the failing one included (it may
+    have made part of its work), newest first, and re-raise.
 
     ``checkpoint(stage)`` is called once the lock is taken (``locked``) and after each step:
     the crash tests stop a create there to kill it.
@@ -314,8 +316,8 @@ def _note(exc: BaseException, failures: list[str], progress: Progress) -> None:
 def _run_one(
     step: Step, creation: Creation, checkpoint: Callable[[str], None], done: list[Step]
 ) -> None:
+    done.append(step)  # before it runs: a step that fails halfway is undone too
     step.do(creation)
-    done.append(step)
     checkpoint(step.name)
 
 
