@@ -5,8 +5,9 @@ when cloud-init never ran. Nothing is left behind either way.
 
 The images live in an image directory of the test's own: an 8 MiB all-zeros disk (laid out as
 the store would after an import, without the import's checks), and the minimal image booted with
-another command line: no initrd and a root that does not exist (panic), ``ssh.service`` masked
-(kernel, systemd and cloud-init run; sshd never answers), or cloud-init disabled as well.
+another command line: a root that does not exist (without an initrd the kernel panics, with one
+the initramfs gives up), ``poweroff.target`` (QEMU ends early), ``ssh.service`` masked (kernel,
+systemd and cloud-init run; sshd never answers), or cloud-init disabled as well.
 
 Whether a failure came fast is shown by its code, not by timing: the waits are long (600 s), so
 FAILED_PRECONDITION can only come from what the console or libvirt said.
@@ -54,8 +55,9 @@ def _publish(root: Path, name: str, meta: dict[str, object], files: dict[str, Pa
 
 @pytest.fixture(scope="module")
 def image_dir(config: Config) -> Iterator[Path]:
-    """Images ``blank`` (8 MiB of zeros, no kernel), ``panic``, ``no-sshd`` and ``no-cloud-init``
-    (the minimal image's disk and kernel with the command lines above)."""
+    """Images ``blank`` (8 MiB of zeros, no kernel), ``panic``, ``no-root``, ``poweroff``,
+    ``no-sshd`` and ``no-cloud-init`` (the minimal image's disk and kernel with the command
+    lines above)."""
     root = Path(tempfile.mkdtemp(prefix="vmsbx-images-", dir="/var/tmp"))
     os.chmod(root, 0o755)
     blank = root / "blank.qcow2"
@@ -67,6 +69,10 @@ def image_dir(config: Config) -> Iterator[Path]:
     with_initrd = {**kernel, "initrd.img": minimal.path / "initrd.img"}
     panic = {**minimal.meta, "initrd": None, "cmdline": "root=/dev/nonexistent console=ttyS0"}
     _publish(root, "panic", panic, kernel)
+    no_root = {**minimal.meta, "cmdline": "root=/dev/nonexistent rootdelay=1 console=ttyS0"}
+    _publish(root, "no-root", no_root, with_initrd)
+    poweroff = {**minimal.meta, "cmdline": minimal.cmdline + " systemd.unit=poweroff.target"}
+    _publish(root, "poweroff", poweroff, with_initrd)
     no_sshd = minimal.cmdline + " systemd.mask=ssh.service"
     _publish(root, "no-sshd", {**minimal.meta, "cmdline": no_sshd}, with_initrd)
     no_cloud_init = {**minimal.meta, "cmdline": no_sshd + " cloud-init=disabled"}
@@ -109,16 +115,41 @@ def test_a_blank_disk_fails_at_once_with_the_firmware_line_from_the_cli(
     assert leftovers(config, name) == []
 
 
-def test_a_kernel_panic_fails_at_once_with_the_panic_line(config: Config, image_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("image", "says"),
+    [
+        ("panic", "Kernel panic - not syncing"),
+        ("no-root", "Gave up waiting for root"),
+    ],
+)
+def test_a_guest_that_cannot_mount_its_root_fails_at_once(
+    config: Config, image_dir: Path, image: str, says: str
+) -> None:
+    """Without an initrd the kernel panics; with one, the initramfs gives up on the root."""
     name = generate_name("t")
-    spec = SandboxSpec(name=name, image="panic", memory_mib=256)
+    spec = SandboxSpec(name=name, image=image, memory_mib=256)
     with (
         SandboxManager(replace(config, image_dir=image_dir), reconcile=False) as manager,
         pytest.raises(FailedPrecondition) as caught,
     ):
         manager.create(spec, timeout=600)
-    assert "Kernel panic - not syncing" in caught.value.details["console_line"]
+    assert says in caught.value.details["console_line"]
     assert "cannot boot" in caught.value.message
+    assert leftovers(config, name) == []
+
+
+def test_a_guest_that_powers_off_fails_at_once_with_libvirts_reason(
+    config: Config, image_dir: Path
+) -> None:
+    """QEMU ends before SSH is up (the guest powered off): libvirt's shutoff reason is given."""
+    name = generate_name("t")
+    spec = SandboxSpec(name=name, image="poweroff", memory_mib=512)
+    with (
+        SandboxManager(replace(config, image_dir=image_dir), reconcile=False) as manager,
+        pytest.raises(FailedPrecondition) as caught,
+    ):
+        manager.create(spec, timeout=600)
+    assert "stopped before SSH came up: the guest powered itself off" in caught.value.message
     assert leftovers(config, name) == []
 
 
