@@ -15,13 +15,20 @@ from pathlib import Path
 import pytest
 from fake_hypervisor import FakeHypervisor, refuse
 
+from vmsandbox import lifecycle
 from vmsandbox.config import Config
-from vmsandbox.errors import AlreadyExists, FailedPrecondition, NotFound
+from vmsandbox.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    GuestVerificationFailed,
+    NotFound,
+)
 from vmsandbox.guest import Endpoint
 from vmsandbox.manager import SandboxManager
 from vmsandbox.process import ProcessIdentity
 from vmsandbox.record import SandboxFiles, SandboxRecord
 from vmsandbox.spec import SandboxSpec
+from vmsandbox.verify import VerificationReport
 
 IMAGE_ID = "00000000000000aa"
 
@@ -266,3 +273,34 @@ def test_a_step_that_fails_halfway_is_undone_too(
     with pytest.raises(FailedPrecondition, match="cannot write the config"):
         manager.create(spec(), wait=False)
     assert left(config, hv) == []
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_failed_guest_verification_removes_the_sandbox_unless_kept(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, keep: bool
+) -> None:
+    """The verification error reaches the caller either way; the sandbox is gone unless the
+    caller asked to keep it for inspection."""
+    made = manager.create(spec(), wait=False)
+    failed = VerificationReport(gpus=[], checks=[], problems=["0000:41:00.0 missing"]).to_dict()
+    stored = hv.domains["vmsbx-unit"].data
+    assert stored is not None
+    creation = lifecycle.Creation(
+        hypervisor=hv,
+        name=made.name,
+        files=SandboxFiles.of(config, made.name),
+        record=replace(SandboxRecord.from_dict(stored), verification=failed),
+        config=config,
+        spec=spec(),
+        image=manager.images.get("tiny"),
+        virt_type="qemu",
+        progress=lambda _line: None,
+        exists=lambda _name: True,
+        choose_gpus=list,
+        free_port=lambda: 0,
+        host_cpus=dict,
+    )
+    with pytest.raises(GuestVerificationFailed, match=r"0000:41:00\.0 missing") as caught:
+        lifecycle.check_verification(creation, manager._locked, keep=keep)
+    assert caught.value.details["kept"] is keep
+    assert bool(left(config, hv)) is keep

@@ -26,6 +26,7 @@ from vmsandbox.errors import (
     AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
+    GuestVerificationFailed,
     ResourceExhausted,
     VmSandboxError,
 )
@@ -226,6 +227,25 @@ def verify_guest(record: SandboxRecord, endpoint: Endpoint, files: SandboxFiles)
     keys = files.keys(record.host_key_alias)
     expected = [verify.ExpectedGpu.from_record(gpu.to_dict()) for gpu in record.gpus]
     return verify.verify(functools.partial(guest.run, endpoint, keys), expected).to_dict()
+
+
+def check_verification(
+    c: Creation, lock: Callable[[], contextlib.AbstractContextManager[None]], *, keep: bool
+) -> None:
+    """GuestVerificationFailed when the in-guest check of a created sandbox failed; the sandbox
+    is taken apart first unless ``keep`` (kept for inspection, as the caller asked)."""
+    verification = c.record.verification if c.record else None
+    if verification is None or verification["ok"]:
+        return
+    from vmsandbox.verify import VerificationReport, raise_if_failed
+
+    report = VerificationReport.from_dict(verification)
+    try:
+        raise_if_failed(report, subject=f"sandbox {c.name!r}", details={"kept": keep})
+    except GuestVerificationFailed as exc:
+        if not keep:
+            clean_up_after(exc, c, lock)
+        raise
 
 
 def _mark(c: Creation) -> None:

@@ -163,9 +163,10 @@ class SandboxManager:
             free_port=self._free_port,
             host_cpus=_host_cpus,
             timeout=timeout,
+            start=start,
             wait=wait,
+            verify=verify,
         )
-        creation.start, creation.verify = start, verify
         skip = lifecycle.STARTING if not start else frozenset()
         steps = tuple(step for step in lifecycle.CREATE_STEPS if step.name not in skip)
         lifecycle.run(steps, creation, self._locked, self.checkpoint)
@@ -173,16 +174,7 @@ class SandboxManager:
         record, state = creation.record, creation.state
         sandbox = self._sandbox(record, state)
         sandbox.boot_seconds = creation.boot_seconds
-        if record.verification is not None and not record.verification["ok"]:
-            from vmsandbox.verify import VerificationReport, raise_if_failed
-
-            if not keep_on_failure:
-                lifecycle.teardown(creation, self._locked)
-            raise_if_failed(
-                VerificationReport.from_dict(record.verification),
-                subject=f"sandbox {name!r}",
-                details={"kept": keep_on_failure},
-            )
+        lifecycle.check_verification(creation, self._locked, keep=keep_on_failure)
         say(f"sandbox {name} is {state}")
         return sandbox
 
