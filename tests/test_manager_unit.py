@@ -304,3 +304,21 @@ def test_a_failed_guest_verification_removes_the_sandbox_unless_kept(
         lifecycle.check_verification(creation, manager._locked, keep=keep)
     assert caught.value.details["kept"] is keep
     assert bool(left(config, hv)) is keep
+
+
+def test_a_newer_record_is_refused_here_and_skipped_from_another_state_dir(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    manager.create(spec("theirs"), wait=False)
+    theirs = hv.domains["vmsbx-theirs"].data
+    assert theirs is not None
+    theirs.update(version=99, keys="/var/lib/another-state-dir/sandboxes/theirs")
+    assert [sandbox.name for sandbox in manager.list()] == []
+    manager.create(spec(), wait=False)
+    ours = hv.domains["vmsbx-unit"].data
+    assert ours is not None
+    ours["version"] = 99
+    with pytest.raises(FailedPrecondition, match="newer vmsandbox"):
+        manager.list()
+    with pytest.raises(FailedPrecondition, match="newer vmsandbox"):
+        manager.get("unit")

@@ -97,11 +97,17 @@ class SandboxManager:
         return host_lock(self.config.lock_path)
 
     def _sandboxes(self) -> list[tuple[SandboxRecord, str]]:
-        """Our sandboxes (any state directory) with their recorded state."""
+        """Our sandboxes (any state directory) with their recorded state. A record of a newer
+        vmsandbox is refused when it is this state directory's, and skipped otherwise."""
         found = []
         for stored in self.hypervisor.list(DOMAIN_PREFIX):
-            if stored.data is not None and names_domain(stored.data, stored.domain):
+            if stored.data is None or not names_domain(stored.data, stored.domain):
+                continue
+            try:
                 found.append((SandboxRecord.from_dict(stored.data), stored.state))
+            except FailedPrecondition:
+                if str(stored.data.get("keys", "")).startswith(f"{self.config.sandboxes}/"):
+                    raise
         return found
 
     def _lookup(self, name: str) -> tuple[SandboxRecord, str] | None:
