@@ -70,7 +70,7 @@ def booted(manager: SandboxManager) -> Iterator[Sandbox]:
 
 def cli_env(config: Config, **extra: str) -> dict[str, str]:
     """The environment of a CLI process that works on ``config``'s libvirt and state directory."""
-    env = {k: v for k, v in os.environ.items() if k != "VMSANDBOX_CRASH_AT"}
+    env = dict(os.environ)
     env.update(
         VMSANDBOX_CONFIG="/nonexistent",
         VMSANDBOX_URI=config.uri,
@@ -101,9 +101,9 @@ def leftovers(config: Config, name: str) -> list[str]:
     """Everything of sandbox ``name`` still on the host: domain, files."""
     import libvirt
 
-    from vmsandbox.manager import SandboxPaths
+    from vmsandbox.record import SandboxFiles
 
-    found = [str(path) for path in SandboxPaths.of(config, name).existing()]
+    found = [str(path) for path in SandboxFiles.of(config, name).existing()]
     conn = libvirt.open(config.uri)
     try:
         conn.lookupByName(f"vmsbx-{name}")

@@ -705,19 +705,6 @@ def test_report_to_dict_is_json() -> None:
     assert verify.VerificationReport.from_dict(data) == report
 
 
-@pytest.mark.parametrize(
-    ("memory_mib", "gpus", "expected"),
-    [
-        (2048, 0, 240.0),
-        (65536, 0, 240.0),  # without VFIO nothing is pinned
-        (16384, 1, 240.0 + 8.0 + 30.0),
-        (2 * 1024 * 1024, 8, 240.0 + 1024.0 + 240.0),
-    ],
-)
-def test_boot_timeout(memory_mib: int, gpus: int, expected: float) -> None:
-    assert verify.boot_timeout(240.0, memory_mib, gpus) == expected
-
-
 # -- the smoke program, on a stand-in libcuda ---------------------------------------------------
 
 

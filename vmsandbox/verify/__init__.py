@@ -92,7 +92,6 @@ __all__ = [
     "SmiRow",
     "SmokeLine",
     "VerificationReport",
-    "boot_timeout",
     "cuda_smoke_program",
     "driver_version_of",
     "map_addresses",
@@ -108,11 +107,6 @@ __all__ = [
 
 NO_NVIDIA_GPU = "no NVIDIA GPU passed"
 NVIDIA_CHECKS = ("driver", "nvidia-smi", "kernel-log", "compute")
-
-# Guest boot time beyond ``base`` once GPUs are passed (see ``boot_timeout``).
-PIN_SECONDS_PER_GIB = 0.5
-SECONDS_PER_GPU = 30.0
-
 
 def verify(run: Runner, expected: Sequence[ExpectedGpu]) -> VerificationReport:
     """Run the checks in the guest behind ``run`` against the GPUs it was given.
@@ -196,17 +190,3 @@ def _report(
         kernel_events=kernel_events,
     )
 
-
-def boot_timeout(base: float, memory_mib: int, gpus: int) -> float:
-    """Seconds to wait for SSH: ``base`` without GPUs; with GPUs, ``PIN_SECONDS_PER_GIB`` more
-    per GiB of guest memory and ``SECONDS_PER_GPU`` more per GPU.
-
-    With VFIO the host pins every page of guest RAM for DMA (faulting in and zeroing each one:
-    real hosts take from a fraction of a second to seconds per GiB, much of it while QEMU
-    starts), and the firmware and guest kernel then walk all of it; per GPU, OVMF sizes and maps
-    its BARs and the guest driver boots it (GSP firmware on Turing and later), tens of seconds
-    each. A 2 TiB guest with eight GPUs waits ``base`` + 1024 + 240 seconds.
-    """
-    if gpus <= 0:
-        return base
-    return base + PIN_SECONDS_PER_GIB * memory_mib / 1024 + SECONDS_PER_GPU * gpus
