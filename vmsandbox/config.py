@@ -2,7 +2,8 @@
 
 File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Environment variables
 override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
-``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``.
+``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
+``VMSANDBOX_PROBE_QEMU``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from vmsandbox import virt
 from vmsandbox.errors import InvalidArgument
 
 DEFAULT_CONFIG_FILE = "/etc/vmsandbox/config.toml"
@@ -24,6 +26,7 @@ _ENV = {
     "virt_type": "VMSANDBOX_VIRT_TYPE",
     "network": "VMSANDBOX_NETWORK",
     "boot_timeout": "VMSANDBOX_BOOT_TIMEOUT",
+    "probe_qemu": "VMSANDBOX_PROBE_QEMU",
 }
 
 
@@ -35,6 +38,8 @@ class Config:
     state_dir: Path = Path("/var/lib/vmsandbox")
     image_dir: Path | None = None  # default: <state_dir>/images
     virt_type: str = "auto"  # "auto" | "kvm" | "qemu"
+    # The QEMU that ``auto`` boots to see whether KVM runs guests (vmsandbox/virt.py).
+    probe_qemu: str = virt.QEMU
     # "user": QEMU user-mode network, guest port 22 forwarded to 127.0.0.1:<free port>.
     # Any other value names a libvirt network; the guest address comes from its DHCP lease.
     network: str = "user"
