@@ -8,9 +8,11 @@ error object with ``--json``) and exits non-zero; never a traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -70,9 +72,12 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> int:
+def _positive(text: str, *, field: str) -> int:
     if not text.isascii() or not text.isdigit() or int(text) < 1:
-        raise InvalidArgument(f"{text!r} is not a positive integer")
+        raise InvalidArgument(
+            f"{field} {text!r} is not a whole number of at least 1",
+            details={"field": field, "value": text},
+        )
     return int(text)
 
 
@@ -84,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     create = sub.add_parser("create", help="create and boot a sandbox")
     create.add_argument("name", nargs="?", help="sandbox name (generated when omitted)")
     create.add_argument("--image", default="minimal", help="base image (default: minimal)")
-    create.add_argument("--cpus", type=_positive, default=1)
+    create.add_argument("--cpus", type=functools.partial(_positive, field="--cpus"), default=1)
     create.add_argument("--memory", type=_size_mib, default=1024, help="e.g. 2048, 2G (MiB)")
     create.add_argument("--disk", type=_size_gib, default=4, help="e.g. 10, 10G (GiB)")
     create.add_argument("--virt-type", choices=("auto", "kvm", "qemu"), default="auto")
@@ -108,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gpu = create.add_argument_group("GPUs (OpenShell driver flags)")
     gpu.add_argument("--gpu", nargs="?", const="1", metavar="N", help="one free GPU, or N")
-    gpu.add_argument("--gpu-count", type=_positive, metavar="N", help="exactly N GPUs")
+    gpu.add_argument(
+        "--gpu-count",
+        type=functools.partial(_positive, field="--gpu-count"),
+        metavar="N",
+        help="exactly N GPUs",
+    )
     gpu.add_argument(
         "--gpu-device",
         action="append",
@@ -184,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     ours, guest_argv = _split_guest_command(args_list)
+    ours = _glue_negative_values(ours)
     want_json = "--json" in ours
     try:
         args = build_parser().parse_args(ours)
@@ -203,6 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _print_error(VmSandboxError(f"{type(exc).__name__}: {exc}"), want_json)
         return 1
+
+
+# Options whose value may be typed negative: argparse would take "-1G" for an option and answer
+# "expected one argument"; glued as "--memory=-1G", the value reaches its check and is named.
+_NUMBER_OPTIONS = ("--memory", "--disk", "--cpus", "--timeout", "--gpu-count", "--gpu-memory")
+
+
+def _glue_negative_values(args_list: list[str]) -> list[str]:
+    glued: list[str] = []
+    for arg in args_list:
+        if glued and glued[-1] in _NUMBER_OPTIONS and re.match(r"-[0-9.]", arg):
+            glued[-1] = f"{glued[-1]}={arg}"
+        else:
+            glued.append(arg)
+    return glued
 
 
 def _split_guest_command(args_list: list[str]) -> tuple[list[str], list[str] | None]:
