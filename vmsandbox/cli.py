@@ -188,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
+    rm = images_sub.add_parser("rm", help="remove an image, all its builds (none may be in use)")
+    rm.add_argument("name")
+    rm.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    images_sub.add_parser(
+        "prune", help="remove builds that are not current and that no sandbox uses"
+    ).add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
@@ -430,12 +438,20 @@ def _cmd_images(args: argparse.Namespace) -> int:
     from vmsandbox.images import ImageStore
     from vmsandbox.progress import StderrProgress
 
-    store = ImageStore(Config.load().images)
+    config = Config.load()
+    store = ImageStore(config.images)
+    if args.images_command in ("rm", "prune"):
+        return _images_remove(args, config, store)
     if args.images_command == "build":
         image = store.build(args.recipe, force=args.force, progress=StderrProgress())
         _emit(image.to_dict(), f"built {image.name} ({image.id}) at {image.disk}")
     elif args.images_command == "import":
-        image = store.import_image(Path(args.path), args.name, progress=StderrProgress())
+        image = store.import_image(
+            Path(args.path),
+            args.name,
+            max_disk_gib=config.max_disk_gib,
+            progress=StderrProgress(),
+        )
         _emit(image.to_dict(), f"imported {image.name} ({image.id}) at {image.disk}")
     else:
         images = [image.to_dict() for image in store.list()]
@@ -453,6 +469,31 @@ def _cmd_images(args: argparse.Namespace) -> int:
         table = _table(("NAME", "ID", "KIND", "KERNEL", "SIZE", "BUILT"), rows)
         _emit({"images": images}, table if rows else "no images built")
     return 0
+
+
+def _images_remove(args: argparse.Namespace, config: Any, store: Any) -> int:
+    """``images rm NAME`` and ``images prune``: what was removed and the disk space freed."""
+    from vmsandbox.hypervisor import open_connection
+    from vmsandbox.image_users import image_users
+
+    conn = open_connection(config.uri)
+    try:
+        users = functools.partial(image_users, conn, store)
+        if args.images_command == "rm":
+            removed = store.remove(args.name, users)
+        else:
+            removed = store.prune(users)
+    finally:
+        conn.close()
+    freed = sum(build.bytes for build in removed)
+    lines = [f"removed {b.name} {b.id} ({_mib(b.bytes)})" for b in removed]
+    text = "\n".join([*lines, f"freed {_mib(freed)}"]) if removed else "nothing to remove"
+    _emit({"removed": [build.to_dict() for build in removed], "freed_bytes": freed}, text)
+    return 0
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def _describe(data: dict[str, Any]) -> str:
