@@ -88,6 +88,10 @@ def overlay_qcow2(path: Path) -> Path:
     return qcow2(path, "64M", "-F", "qcow2", "-b", str(base))
 
 
+def data_file_qcow2(path: Path) -> Path:
+    return qcow2(path, "16M", "-o", f"data_file={path.with_name('data.raw')}")
+
+
 def over_cap_qcow2(path: Path) -> Path:
     return qcow2(path, "2G")  # the store below allows 1 GiB
 
@@ -101,6 +105,7 @@ REFUSED: dict[str, tuple[Callable[[Path], Path], str]] = {
     "truncated qcow2": (truncated_qcow2, "is a damaged qcow2 (truncated or corrupt)"),
     "header-only qcow2": (header_only_qcow2, "is not a readable disk image"),
     "backing file": (overlay_qcow2, "is a qcow2 overlay of"),
+    "data file": (data_file_qcow2, "keeps its data in another file"),
     "over the cap": (over_cap_qcow2, "2.0 GiB disk, over this host's cap of 1 GiB per sandbox"),
 }
 

@@ -4,7 +4,8 @@ An imported image has no kernel of its own: the guest's firmware boots it from t
 that cannot boot that way (``/etc/passwd``, a file of zeros, a bare filesystem, a compressed
 download) would otherwise be found out only when a sandbox waits out its whole boot timeout.
 
-Accepted: a healthy qcow2 (``qemu-img check``) with no backing file, or a raw disk whose first
+Accepted: a healthy qcow2 (``qemu-img check``) with no backing or external data file (either
+would make the import read some other file of the host), or a raw disk whose first
 sectors hold a boot sector or MBR (signature 0x55AA), or a GPT header; in both cases no larger
 than the host's per-sandbox disk cap. Anything else is INVALID_ARGUMENT naming what was found.
 """
@@ -59,6 +60,14 @@ def check_import(source: Path, *, max_disk_gib: int) -> dict[str, Any]:
             f"image file {shown} is a qcow2 overlay of {info['backing-filename']!r}; "
             "flatten it first ('qemu-img convert -O qcow2 OVERLAY FLAT')",
             found="backing file",
+        )
+    data_file = (info.get("format-specific") or {}).get("data", {}).get("data-file")
+    if data_file:
+        raise _refuse(
+            source,
+            f"image file {shown} keeps its data in another file ({data_file!r}); "
+            "flatten it first ('qemu-img convert -O qcow2 IMAGE FLAT')",
+            found="external data file",
         )
     size = int(info.get("virtual-size", 0))
     if size > max_disk_gib * 2**30:
@@ -122,7 +131,7 @@ def _at(data: bytes, offset: int, magic: bytes) -> bool:
 
 
 def _info(source: Path, shown: str) -> dict[str, Any]:
-    done = _qemu_img("info", "--output=json", str(source))
+    done = _qemu_img("info", "--output=json", str(source.absolute()))
     if done.returncode != 0:
         raise _refuse(
             source,
@@ -134,7 +143,7 @@ def _info(source: Path, shown: str) -> dict[str, Any]:
 
 
 def _check_qcow2(source: Path, shown: str) -> None:
-    done = _qemu_img("check", "--output=json", str(source))
+    done = _qemu_img("check", "--output=json", "-f", "qcow2", str(source.absolute()))
     if done.returncode in _QCOW2_CHECK_OK:
         return
     try:

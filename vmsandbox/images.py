@@ -269,7 +269,7 @@ class ImageStore:
                 progress(f"converting {source} to qcow2")
                 disk = str(tmp / "disk.qcow2")
                 _run(
-                    ["qemu-img", "convert", "-f", fmt, "-O", "qcow2", str(source), disk],
+                    ["qemu-img", "convert", "-f", fmt, "-O", "qcow2", str(source.absolute()), disk],
                     error=FailedPrecondition,  # the source was read fine: writing here failed
                 )
                 return {"kind": "import", "source": str(source)}
