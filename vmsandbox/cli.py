@@ -15,9 +15,13 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from vmsandbox.errors import InvalidArgument, VmSandboxError
+
+if TYPE_CHECKING:  # imported inside the commands that need them, so --help starts fast
+    from vmsandbox.config import Config
+    from vmsandbox.images import ImageStore
 
 EXIT_CODES = {
     "INTERNAL": 1,
@@ -471,7 +475,7 @@ def _cmd_images(args: argparse.Namespace) -> int:
     return 0
 
 
-def _images_remove(args: argparse.Namespace, config: Any, store: Any) -> int:
+def _images_remove(args: argparse.Namespace, config: Config, store: ImageStore) -> int:
     """``images rm NAME`` and ``images prune``: what was removed and the disk space freed."""
     from vmsandbox.hypervisor import open_connection
     from vmsandbox.image_users import image_users

@@ -47,9 +47,9 @@ from vmsandbox.spec import validate_image_name
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "images"
 # Bump when the build steps below change what a recipe produces.
 BUILDER_VERSION = "1"
+KERNEL_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 biosdevname=0"
 # Which sandboxes use which build folder, read when asked (image_users.image_users).
 Users = Callable[[], Mapping[Path, Sequence[str]]]
-KERNEL_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 biosdevname=0"
 
 
 @dataclass(frozen=True)
