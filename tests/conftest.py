@@ -115,6 +115,16 @@ def run_leftovers(dirs: set[str]) -> list[Proc]:
     ]
 
 
+def wait_for(condition: Callable[[], bool], limit: float = 60.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``limit`` seconds pass (False)."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def wait_until_gone(find: Callable[[], list[Proc]], limit: float) -> list[Proc]:
     """Poll ``find`` until it finds nothing or ``limit`` seconds pass; what is left."""
     deadline = time.monotonic() + limit

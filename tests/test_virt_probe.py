@@ -19,12 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import Proc, cli_env, leftovers, processes, wait_until_gone
+from conftest import Proc, cli_env, leftovers, processes, wait_for, wait_until_gone
 
 from vmsandbox import virt
 from vmsandbox.config import Config
@@ -95,16 +95,6 @@ def read_until(proc: subprocess.Popen[bytes], marker: str, limit: float = 120.0)
             raise AssertionError(f"no {marker!r} from the create; it said:\n{seen.decode()}")
         seen += chunk
     return seen.decode()
-
-
-def wait_for(condition: Callable[[], bool], limit: float = 60.0) -> bool:
-    """Poll ``condition`` until it holds (True) or ``limit`` seconds pass (False)."""
-    deadline = time.monotonic() + limit
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def kill_session(proc: subprocess.Popen[bytes]) -> None:
