@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,8 @@ _RUN_DIRS: set[str] = set()
 
 
 def _record_run_dirs(event: str, args: tuple[object, ...]) -> None:
+    """Audit hook: every ``tempfile.mkdtemp`` of this process (TemporaryDirectory too), so the
+    state directories of all tests are known without each test having to register its own."""
     if event == "tempfile.mkdtemp":
         _RUN_DIRS.add(os.fspath(args[0]))  # type: ignore[arg-type]
 
@@ -64,13 +67,8 @@ class Proc:
         words = list(self.argv[:3])
         if "vmsandbox.cli" in words:
             return "vmsandbox"
-        for word in words:
-            base = os.path.basename(word)
-            if base.startswith("qemu-system-"):
-                return base
-            if base in LEAK_TOOLS:
-                return base
-        return None
+        names = [os.path.basename(word) for word in words]
+        return next((n for n in names if any(fnmatch(n, tool) for tool in LEAK_TOOLS)), None)
 
     def describe(self) -> str:
         return f"pid {self.pid}: {' '.join(self.argv)[:300]}"
