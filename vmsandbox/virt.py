@@ -18,8 +18,10 @@ runs as ``setpriv --pdeathsig TERM timeout -k 2 6 setpriv --pdeathsig KILL qemu 
 The parent-death signal is set by ``setpriv`` (the ``prctl(PR_SET_PDEATHSIG)`` between fork and
 exec) rather than by a ``preexec_fn``, which is unsafe in a threaded caller such as a gateway.
 Its one gap, a caller that dies before ``setpriv`` has set the signal, is closed by ``timeout``'s
-own deadline. Two creates that start at once on a fresh host run one probe: the probe and the
-cache write happen under a file lock, and the cache is read again once the lock is held.
+own deadline. (The signal follows the thread that started the probe; that thread waits for the
+probe to end, so it cannot fire early.) Two creates that start at once on a fresh host run one
+probe: the probe and the cache write happen under a file lock, and the cache is read again once
+the lock is held.
 """
 
 from __future__ import annotations
