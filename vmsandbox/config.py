@@ -2,7 +2,8 @@
 
 File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Environment variables
 override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
-``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``, and for NVSwitch
+``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
+``VMSANDBOX_PROBE_QEMU``, and for NVSwitch
 boards ``VMSANDBOX_FMPM``, ``VMSANDBOX_FM_UNIX_SOCKET``, ``VMSANDBOX_FM_HOSTNAME``,
 ``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``, ``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from vmsandbox import virt
 from vmsandbox.errors import InvalidArgument
 
 DEFAULT_CONFIG_FILE = "/etc/vmsandbox/config.toml"
@@ -32,6 +34,7 @@ _ENV = {
     "fabric_manager": "VMSANDBOX_FABRIC_MANAGER",
     "fm_version": "VMSANDBOX_FM_VERSION",
     "fabric_manager_config": "VMSANDBOX_FABRIC_MANAGER_CONFIG",
+    "probe_qemu": "VMSANDBOX_PROBE_QEMU",
 }
 _PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config")
 
@@ -44,6 +47,8 @@ class Config:
     state_dir: Path = Path("/var/lib/vmsandbox")
     image_dir: Path | None = None  # default: <state_dir>/images
     virt_type: str = "auto"  # "auto" | "kvm" | "qemu"
+    # The QEMU that ``auto`` boots to see whether KVM runs guests (vmsandbox/virt.py).
+    probe_qemu: str = virt.QEMU
     # "user": QEMU user-mode network, guest port 22 forwarded to 127.0.0.1:<free port>.
     # Any other value names a libvirt network; the guest address comes from its DHCP lease.
     network: str = "user"

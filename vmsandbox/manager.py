@@ -205,7 +205,8 @@ class SandboxManager:
             image = None
         virt_type = self.config.virt_type if spec.virt_type == "auto" else spec.virt_type
         if virt_type == "auto":
-            virt_type = virt.cached(cache=self.config.state_dir / "virt-probe.json") or "qemu"
+            cache = self.config.state_dir / "virt-probe.json"
+            virt_type = virt.cached(cache=cache, qemu=self.config.probe_qemu) or "qemu"
         with self._locked():
             gpus = self._choose_gpus(spec)
             port = self._free_port() if self.config.network == "user" else None
@@ -224,9 +225,10 @@ class SandboxManager:
     def _virt_type(self, spec: SandboxSpec, image: BaseImage, say: Progress) -> str:
         requested = spec.virt_type if spec.virt_type != "auto" else self.config.virt_type
         cache = self.config.state_dir / "virt-probe.json"
-        if requested == "auto" and virt.cached(cache=cache) is None:
+        qemu = self.config.probe_qemu
+        if requested == "auto" and virt.cached(cache=cache, qemu=qemu) is None:
             say("probing whether KVM runs guests on this host (once, then cached)")
-        return virt.resolve(requested, cache=cache, kernel=image.kernel)
+        return virt.resolve(requested, cache=cache, kernel=image.kernel, qemu=qemu)
 
     def _choose_gpus(self, spec: SandboxSpec) -> list[Gpu]:
         """Under the host lock: the GPUs for ``spec``, free on every domain of the connection."""
