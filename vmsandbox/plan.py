@@ -68,6 +68,8 @@ def plan(
     image: BaseImage | None,
     virt_type: str,
     gpus: Sequence[Gpu] = (),
+    switches: Sequence[str] = (),
+    fabric_partition: int | None = None,
     port: int | None = None,
     mac: str = "52:54:00:00:00:01",
     host_cpus: dict[int, list[int]] | None = None,
@@ -78,7 +80,10 @@ def plan(
     """The plan of sandbox ``name`` (``image`` None: where an unbuilt image will be).
 
     ``port`` is the loopback port forwarded to the guest's sshd (user networking only);
-    ``host_cpus`` the host's CPUs per NUMA node, for pinning GPU sandboxes.
+    ``host_cpus`` the host's CPUs per NUMA node, for pinning GPU sandboxes. On NVSwitch boards
+    ``switches`` are the NVSwitch BDFs passed along with the GPUs (full passthrough) and
+    ``fabric_partition`` the Fabric Manager partition that connects them (shared mode); both
+    go into the record.
     """
     files = files or SandboxFiles.of(config, name)
     alias = DOMAIN_PREFIX + name
@@ -99,6 +104,8 @@ def plan(
         creator=creator,
         labels=dict(spec.labels),
         gpus=tuple(GpuRecord.of(gpu) for gpu in gpus),
+        fabric_partition=fabric_partition,
+        switches=tuple(switches),
     )
     image_dir = image.path if image else config.images / spec.image / "current"
     domain = domain_xml.DomainPlan(
@@ -130,6 +137,7 @@ def plan(
             memory_mib=spec.memory_mib,
             virt_type=virt_type,
             pin=config.numa_pinning,
+            switches=switches,
         )
         domain = replace(
             domain,
