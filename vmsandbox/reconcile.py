@@ -78,9 +78,10 @@ def reconcile(
             report.removed.append(name)
         except VmSandboxError as exc:
             report.problems.append(f"{name}: {exc.message}")
-    live = {stored.domain.removeprefix(DOMAIN_PREFIX) for stored in hypervisor.list(DOMAIN_PREFIX)}
-    report.problems += fabric.reconcile(live)
-    report.fabric_partitions = sorted(leased - set(fabric.leases()))
+    if leased:  # most hosts have no fabric: no more libvirt calls for them
+        domains = hypervisor.list(DOMAIN_PREFIX)
+        report.problems += fabric.reconcile(d.domain.removeprefix(DOMAIN_PREFIX) for d in domains)
+        report.fabric_partitions = sorted(leased - set(fabric.leases()))
     return report
 
 
