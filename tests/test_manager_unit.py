@@ -16,7 +16,6 @@ import pytest
 from fake_hypervisor import FakeHypervisor, refuse
 
 from vmsandbox import lifecycle
-from vmsandbox.allocator import Allocation
 from vmsandbox.config import Config
 from vmsandbox.errors import (
     AlreadyExists,
@@ -298,7 +297,7 @@ def test_a_failed_guest_verification_removes_the_sandbox_unless_kept(
         virt_type="qemu",
         progress=lambda _line: None,
         exists=lambda _name: True,
-        allocate=lambda: Allocation(()),
+        allocate=lambda: None,
         free_port=lambda: 0,
         host_cpus=dict,
     )

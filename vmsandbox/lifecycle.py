@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vmsandbox import boot, plan
-from vmsandbox.config import Config
 from vmsandbox.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -53,6 +52,7 @@ from vmsandbox.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from vmsandbox.allocator import Allocation
+    from vmsandbox.config import Config
     from vmsandbox.host.model import Gpu
 
 # Tries at starting QEMU when the forwarded SSH port was taken between choosing and starting.
@@ -84,7 +84,8 @@ class Creation(Remains):
     virt_type: str
     progress: Progress
     exists: Callable[[str], bool]  # whether a sandbox of that name exists
-    allocate: Callable[[], Allocation]  # GPUs (and partition or NVSwitches), under the lock
+    # Under the lock: GPUs and their partition or NVSwitches (None: no GPU asked for).
+    allocate: Callable[[], Allocation | None]
     free_port: Callable[[], int]
     host_cpus: Callable[[], dict[int, list[int]]]  # host CPUs per NUMA node, for pinning
     timeout: float | None = None
@@ -126,8 +127,10 @@ def _reserve(c: Creation) -> None:
 
 def _gpus(c: Creation) -> None:
     c.allocation = c.allocate()
-    if c.gpus:
-        c.progress("GPUs: " + ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in c.gpus))
+    if c.allocation is None:
+        return
+    gpus = c.allocation.gpus
+    c.progress("GPUs: " + ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in gpus))
     if c.allocation.switches:
         c.progress("NVSwitches: " + ", ".join(s.bdf for s in c.allocation.switches))
 
@@ -171,17 +174,13 @@ def _seed(c: Creation) -> None:
 
 def _define(c: Creation) -> None:
     user_net = c.config.network == "user"
-    switches = [switch.bdf for switch in c.allocation.switches] if c.allocation else []
-    partition = c.allocation.partition if c.allocation else None
     c.planned = plan.plan(
         c.spec,
         name=c.name,
         config=c.config,
         image=c.image,
         virt_type=c.virt_type,
-        gpus=c.gpus,
-        switches=switches,
-        fabric_partition=partition.id if partition else None,
+        allocation=c.allocation,
         port=c.free_port() if user_net else None,
         mac=c.mac,
         host_cpus=c.host_cpus() if c.gpus else None,

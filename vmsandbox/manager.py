@@ -218,13 +218,11 @@ class SandboxManager:
             config=self.config,
             image=image,
             virt_type=virt_type,
-            gpus=chosen.gpus,
-            switches=[switch.bdf for switch in chosen.switches],
-            fabric_partition=chosen.partition.id if chosen.partition else None,
+            allocation=chosen,
             port=port,
-            host_cpus=_host_cpus() if chosen.gpus else None,
+            host_cpus=_host_cpus() if chosen else None,
         )
-        return planned.xml(), list(chosen.gpus)
+        return planned.xml(), list(planned.gpus)
 
     def _virt_type(self, spec: SandboxSpec, image: BaseImage, say: Progress) -> str:
         requested = spec.virt_type if spec.virt_type != "auto" else self.config.virt_type
@@ -233,14 +231,13 @@ class SandboxManager:
             say("probing whether KVM runs guests on this host (once, then cached)")
         return virt.resolve(requested, cache=cache, kernel=image.kernel)
 
-    def _allocate(self, spec: SandboxSpec) -> Allocation:
-        """Under the host lock: the GPUs for ``spec``, free on every domain of the connection;
-        on NVSwitch boards with their Fabric Manager partition (FM's table is read now) or,
-        in full passthrough, the NVSwitches."""
-        from vmsandbox import allocator
-
+    def _allocate(self, spec: SandboxSpec) -> Allocation | None:
+        """Under the host lock: the GPUs for ``spec`` (None: it asks for none), free on every
+        domain of the connection; on NVSwitch boards with their Fabric Manager partition (FM's
+        table is read now) or, in full passthrough, the NVSwitches."""
         if spec.gpu is None:
-            return allocator.Allocation(())
+            return None  # importing the allocator loads pyudev: only GPU requests pay for it
+        from vmsandbox import allocator
         from vmsandbox.fabric import state
 
         inventory = self.gpus()
