@@ -81,6 +81,7 @@ def test_create_runs_every_step_and_checkpoints_each(config: Config, hv: FakeHyp
         "locked",
         "reserve",
         "gpus",
+        "fabric",
         "keys",
         "overlay",
         "seed",
@@ -245,7 +246,7 @@ def test_reconcile_removes_a_create_whose_process_died(
     assert dom.data is not None
     dom.data["creator"] = {"pid": 1, "start": "0", "boot": "another boot"}
     dom.state = "creating"
-    assert manager.reconcile() == {"removed": ["unit"], "problems": []}
+    assert manager.reconcile() == {"removed": ["unit"], "problems": [], "fabric_partitions": []}
     assert left(config, hv) == []
 
 
@@ -296,7 +297,7 @@ def test_a_failed_guest_verification_removes_the_sandbox_unless_kept(
         virt_type="qemu",
         progress=lambda _line: None,
         exists=lambda _name: True,
-        choose_gpus=list,
+        allocate=lambda: None,
         free_port=lambda: 0,
         host_cpus=dict,
     )
@@ -322,3 +323,74 @@ def test_a_newer_record_is_refused_here_and_skipped_from_another_state_dir(
         manager.list()
     with pytest.raises(FailedPrecondition, match="newer vmsandbox"):
         manager.get("unit")
+
+
+# -- Fabric Manager partitions (the fake fmpm of tests/fixtures/fmpm) -----------------------------
+
+FMPM = Path(__file__).resolve().parent / "fixtures" / "fmpm" / "fmpm"
+
+
+@pytest.fixture
+def fm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The fake FM's state folder; partitions 1 and 4 active."""
+    state = tmp_path / "fm"
+    state.mkdir()
+    (state / "active.json").write_text("[1, 4]")
+    monkeypatch.setenv("FAKE_FMPM_STATE", str(state))
+    return state
+
+
+def lease(config: Config, partition: int, sandbox: str) -> None:
+    """A ledger entry, as FabricLease.activate writes it."""
+    ledger = config.state_dir / "fabric"
+    ledger.mkdir(exist_ok=True)
+    (ledger / f"{partition}.json").write_text(json.dumps({"sandbox": sandbox}))
+
+
+def ledger(config: Config) -> list[str]:
+    return sorted(path.name for path in (config.state_dir / "fabric").glob("*.json"))
+
+
+def test_destroy_deactivates_the_partition_once_the_domain_is_gone(
+    config: Config, hv: FakeHypervisor, fm: Path
+) -> None:
+    config = replace(config, fmpm=str(FMPM))
+    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
+        mgr.create(spec(), wait=False)
+        lease(config, 4, "unit")
+        mgr.destroy("unit")
+    assert json.loads((fm / "active.json").read_text()) == [1]
+    assert (fm / "calls.log").read_text().splitlines() == ["-l", "-d 4"]
+    assert ledger(config) == [] and left(config, hv) == []
+
+
+def test_fm_down_at_destroy_keeps_the_lease_for_reconcile(
+    config: Config, hv: FakeHypervisor, fm: Path
+) -> None:
+    config = replace(config, fmpm=str(FMPM))
+    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
+        mgr.create(spec(), wait=False)
+        lease(config, 4, "unit")
+        (fm / "unreachable").touch()
+        with pytest.raises(FailedPrecondition, match="was not removed completely") as caught:
+            mgr.destroy("unit")
+        assert "Fabric Manager" in caught.value.message
+        assert left(config, hv) == [] and ledger(config) == ["4.json"]
+        report = mgr.reconcile()
+        assert report["fabric_partitions"] == [] and "cannot be reached" in report["problems"][0]
+        (fm / "unreachable").unlink()
+        assert mgr.reconcile() == {"removed": [], "problems": [], "fabric_partitions": ["4"]}
+    assert json.loads((fm / "active.json").read_text()) == [1] and ledger(config) == []
+
+
+def test_reconcile_releases_only_leases_whose_domain_is_gone(
+    config: Config, hv: FakeHypervisor, fm: Path
+) -> None:
+    config = replace(config, fmpm=str(FMPM))
+    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
+        mgr.create(spec(), wait=False)
+        lease(config, 1, "unit")  # its domain is there: kept
+        lease(config, 4, "killed-after-activation")
+        assert mgr.reconcile() == {"removed": [], "problems": [], "fabric_partitions": ["4"]}
+    assert json.loads((fm / "active.json").read_text()) == [1]
+    assert ledger(config) == ["1.json"]

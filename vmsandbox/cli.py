@@ -271,6 +271,7 @@ def _cmd_reconcile(_args: argparse.Namespace, out: Output) -> int:
         report = manager.reconcile()
     text = "\n".join(
         [f"removed {name}" for name in report["removed"]]
+        + [f"released fabric partition {p}" for p in report["fabric_partitions"]]
         + [f"could not fix: {p}" for p in report["problems"]]
     )
     out.result(report, text or "nothing to reconcile")

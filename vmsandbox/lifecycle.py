@@ -4,8 +4,9 @@
 failing one included: it may have done half its work) run newest first. ``destroy`` and
 reconcile run every undo (``teardown``): undos are idempotent and work from what is stored
 (domain name, files, record), so a sandbox left half-made by a killed process is taken apart
-the same way. Adding a lifecycle step (say, activating a fabric
-partition before ``define``) is one ``Step`` in ``CREATE_STEPS``.
+the same way. On NVSwitch boards in shared NVSwitch mode the ``fabric`` step activates the
+sandbox's Fabric Manager partition right after its GPUs are chosen; its undo deactivates it, and
+runs after ``define``'s undo (newest first), so only once the domain holding the GPUs is gone.
 
 Steps marked ``locked`` run under the host lock (names, ports and GPUs are chosen there, and the
 domain is defined before the lock is let go); their undos run under it too.
@@ -30,6 +31,7 @@ from vmsandbox.errors import (
     ResourceExhausted,
     VmSandboxError,
 )
+from vmsandbox.fabric.lease import FabricLease
 from vmsandbox.guest import Endpoint
 from vmsandbox.hypervisor import Hypervisor
 from vmsandbox.images import BaseImage, make_overlay
@@ -49,6 +51,7 @@ from vmsandbox.seed import network_config, write_seed
 from vmsandbox.spec import SandboxSpec
 
 if TYPE_CHECKING:
+    from vmsandbox.allocator import Allocation
     from vmsandbox.config import Config
     from vmsandbox.host.model import Gpu
 
@@ -58,9 +61,11 @@ PORT_TRIES = 3
 
 @dataclass
 class Remains:
-    """What undos work from: the domain, the files and, when it is still readable, the record."""
+    """What undos work from: the domain, the files, the configuration (the state directory
+    holds the fabric ledger) and, when it is still readable, the record."""
 
     hypervisor: Hypervisor
+    config: Config
     name: str
     files: SandboxFiles
     record: SandboxRecord | None = None
@@ -74,13 +79,13 @@ class Remains:
 class Creation(Remains):
     """One create in progress: its inputs, and what each step has made so far."""
 
-    config: Config
     spec: SandboxSpec
     image: BaseImage
     virt_type: str
     progress: Progress
     exists: Callable[[str], bool]  # whether a sandbox of that name exists
-    choose_gpus: Callable[[], list[Gpu]]  # under the lock
+    # Under the lock: GPUs and their partition or NVSwitches (None: no GPU asked for).
+    allocate: Callable[[], Allocation | None]
     free_port: Callable[[], int]
     host_cpus: Callable[[], dict[int, list[int]]]  # host CPUs per NUMA node, for pinning
     timeout: float | None = None
@@ -88,12 +93,16 @@ class Creation(Remains):
     wait: bool = True
     verify: bool = True
     state: str = STATE_CREATING
-    gpus: list[Gpu] = field(default_factory=list)
+    allocation: Allocation | None = None
     mac: str = field(default_factory=plan.new_mac)
     pairs: tuple[KeyPair, KeyPair] | None = None
     planned: plan.SandboxPlan | None = None
     endpoint: Endpoint | None = None
     boot_seconds: float | None = None
+
+    @property
+    def gpus(self) -> list[Gpu]:
+        return list(self.allocation.gpus) if self.allocation else []
 
 
 @dataclass(frozen=True)
@@ -117,9 +126,24 @@ def _reserve(c: Creation) -> None:
 
 
 def _gpus(c: Creation) -> None:
-    c.gpus = c.choose_gpus()
-    if c.gpus:
-        c.progress("GPUs: " + ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in c.gpus))
+    c.allocation = c.allocate()
+    if c.allocation is None:
+        return
+    gpus = c.allocation.gpus
+    c.progress("GPUs: " + ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in gpus))
+    if c.allocation.switches:
+        c.progress("NVSwitches: " + ", ".join(s.bdf for s in c.allocation.switches))
+
+
+def _activate(c: Creation) -> None:
+    """Shared NVSwitch mode: activate the chosen partition (the image's NVIDIA driver must be
+    Fabric Manager's release; the lease is recorded before fmpm is asked)."""
+    partition = c.allocation.partition if c.allocation else None
+    if partition is None:
+        return
+    c.progress(f"activating Fabric Manager partition {partition.id}")
+    driver = c.image.meta.get("nvidia_driver_version")
+    FabricLease(c.config).activate(partition.id, c.name, image=c.image.name, image_driver=driver)
 
 
 def _keys(c: Creation) -> None:
@@ -156,7 +180,7 @@ def _define(c: Creation) -> None:
         config=c.config,
         image=c.image,
         virt_type=c.virt_type,
-        gpus=c.gpus,
+        allocation=c.allocation,
         port=c.free_port() if user_net else None,
         mac=c.mac,
         host_cpus=c.host_cpus() if c.gpus else None,
@@ -221,12 +245,14 @@ def _verify(c: Creation) -> None:
 
 
 def verify_guest(record: SandboxRecord, endpoint: Endpoint, files: SandboxFiles) -> dict[str, Any]:
-    """The in-guest verification report of a booted sandbox's GPUs."""
+    """The in-guest verification report of a booted sandbox's GPUs (and of their NVLink
+    fabric when they talk through NVSwitches)."""
     from vmsandbox import guest, verify
 
     keys = files.keys(record.host_key_alias)
     expected = [verify.ExpectedGpu.from_record(gpu.to_dict()) for gpu in record.gpus]
-    return verify.verify(functools.partial(guest.run, endpoint, keys), expected).to_dict()
+    run = functools.partial(guest.run, endpoint, keys)
+    return verify.verify(run, expected, fabric=record.on_fabric).to_dict()
 
 
 def check_verification(
@@ -268,9 +294,16 @@ def _remove_files(r: Remains) -> None:
     r.files.remove()
 
 
+def _release(r: Remains) -> None:
+    """Deactivate the sandbox's partition (its domain is gone by now) and forget the lease;
+    nothing is asked of Fabric Manager when the sandbox holds none."""
+    FabricLease(r.config).release(r.name)
+
+
 CREATE_STEPS: tuple[Step, ...] = (
     Step("reserve", _reserve, locked=True),
     Step("gpus", _gpus, locked=True),  # freed by undefining the domain that holds them
+    Step("fabric", _activate, _release, locked=True),
     Step("keys", _keys, _remove_files, locked=True),
     Step("overlay", _overlay, _remove_files, locked=True),
     Step("seed", _seed, _remove_files, locked=True),

@@ -41,6 +41,7 @@ from vmsandbox.spec import SandboxSpec, generate_name, validate_name
 if TYPE_CHECKING:
     import libvirt
 
+    from vmsandbox.allocator import Allocation
     from vmsandbox.host.model import Gpu, Inventory
 
 
@@ -158,14 +159,14 @@ class SandboxManager:
         creation = lifecycle.Creation(
             hypervisor=self.hypervisor,
             name=name,
-            files=SandboxFiles.of(self.config, name),
             config=self.config,
+            files=SandboxFiles.of(self.config, name),
             spec=spec,
             image=image,
             virt_type=self._virt_type(spec, image, say),
             progress=say,
             exists=lambda n: self._lookup(n) is not None,
-            choose_gpus=functools.partial(self._choose_gpus, spec),
+            allocate=functools.partial(self._allocate, spec),
             free_port=self._free_port,
             host_cpus=_host_cpus,
             timeout=timeout,
@@ -196,6 +197,8 @@ class SandboxManager:
         """The domain XML and GPUs that ``create`` would use now; defines and writes nothing.
 
         Needs no built image: an image that is not built yet is shown at the path it will have.
+        On NVSwitch boards Fabric Manager's table is read (shared mode) but nothing activated;
+        the XML names the partition in its record, or carries the NVSwitches (full passthrough).
         """
         self.check_caps(spec)
         name = spec.name or generate_name()
@@ -208,7 +211,7 @@ class SandboxManager:
             cache = self.config.state_dir / "virt-probe.json"
             virt_type = virt.cached(cache=cache, qemu=self.config.probe_qemu) or "qemu"
         with self._locked():
-            gpus = self._choose_gpus(spec)
+            chosen = self._allocate(spec)
             port = self._free_port() if self.config.network == "user" else None
         planned = planner.plan(
             spec,
@@ -216,11 +219,11 @@ class SandboxManager:
             config=self.config,
             image=image,
             virt_type=virt_type,
-            gpus=gpus,
+            allocation=chosen,
             port=port,
-            host_cpus=_host_cpus() if gpus else None,
+            host_cpus=_host_cpus() if chosen else None,
         )
-        return planned.xml(), gpus
+        return planned.xml(), list(planned.gpus)
 
     def _virt_type(self, spec: SandboxSpec, image: BaseImage, say: Progress) -> str:
         requested = spec.virt_type if spec.virt_type != "auto" else self.config.virt_type
@@ -230,13 +233,18 @@ class SandboxManager:
             say("probing whether KVM runs guests on this host (once, then cached)")
         return virt.resolve(requested, cache=cache, kernel=image.kernel, qemu=qemu)
 
-    def _choose_gpus(self, spec: SandboxSpec) -> list[Gpu]:
-        """Under the host lock: the GPUs for ``spec``, free on every domain of the connection."""
+    def _allocate(self, spec: SandboxSpec) -> Allocation | None:
+        """Under the host lock: the GPUs for ``spec`` (None: it asks for none), free on every
+        domain of the connection; on NVSwitch boards with their Fabric Manager partition (FM's
+        table is read now) or, in full passthrough, the NVSwitches."""
         if spec.gpu is None:
-            return []
+            return None  # importing the allocator loads pyudev: only GPU requests pay for it
         from vmsandbox import allocator
+        from vmsandbox.fabric import state
 
-        return allocator.select(spec.gpu, self.gpus(), max_gpus=self.config.max_gpus)
+        inventory = self.gpus()
+        fabric = state.read(self.config, inventory)
+        return allocator.allocate(spec.gpu, inventory, max_gpus=self.config.max_gpus, fabric=fabric)
 
     def gpus(self) -> Inventory:
         """The host's GPU inventory, with ``in_use_by`` read from all libvirt domains."""
@@ -316,8 +324,9 @@ class SandboxManager:
 
     def destroy(self, name: str) -> None:
         """Stop and remove the sandbox: domain, NVRAM, overlay, seed, keys, console and QEMU
-        logs. Idempotent in effect: whatever is left of it is removed; NOT_FOUND only when
-        nothing of it existed; FAILED_PRECONDITION naming what could not be removed."""
+        logs, then its Fabric Manager partition (NVSwitch boards). Idempotent in effect:
+        whatever is left of it is removed; NOT_FOUND only when nothing of it existed;
+        FAILED_PRECONDITION naming what could not be removed."""
         validate_name(name)
         files = SandboxFiles.of(self.config, name)
         found = self._lookup(name)
@@ -327,14 +336,16 @@ class SandboxManager:
             found = self._lookup(name)
             if found is None and not files.existing():
                 raise NotFound(f"sandbox {name!r} does not exist", details={"name": name})
-            remains = lifecycle.Remains(self.hypervisor, name, files, found[0] if found else None)
+            record = found[0] if found else None
+            remains = lifecycle.Remains(self.hypervisor, self.config, name, files, record)
             lifecycle.teardown(remains, contextlib.nullcontext)
 
     # -- repair -------------------------------------------------------------------------------
 
     def reconcile(self) -> dict[str, list[str]]:
-        """Finish removing half-made sandboxes of this state directory (reconcile.py); returns
-        what was removed and what could not be fixed."""
+        """Finish removing half-made sandboxes of this state directory and release fabric
+        partitions whose sandbox is gone (reconcile.py); returns what was removed, the
+        partitions released and what could not be fixed."""
         with self._locked():
             local = [
                 (record, state)

@@ -114,8 +114,18 @@ class SandboxRecord:
     creator: ProcessIdentity | None = None
     labels: dict[str, str] = field(default_factory=dict)
     gpus: tuple[GpuRecord, ...] = ()
+    # NVSwitch boards: the Fabric Manager partition that connects the GPUs (shared NVSwitch
+    # mode), or the NVSwitches passed along with all the GPUs (full passthrough), by BDF.
+    fabric_partition: int | None = None
+    switches: tuple[str, ...] = ()
     verification: dict[str, Any] | None = None
     version: int = SCHEMA_VERSION
+
+    @property
+    def on_fabric(self) -> bool:
+        """Whether the guest's GPUs talk over NVLink through NVSwitches: a partition of more
+        than one GPU, or the whole board with its NVSwitches."""
+        return bool(self.switches) or (self.fabric_partition is not None and len(self.gpus) > 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -136,12 +146,15 @@ class SandboxRecord:
             "creator": self.creator.to_dict() if self.creator else None,
             "labels": dict(self.labels),
             "gpus": [gpu.to_dict() for gpu in self.gpus],
+            "fabric_partition": self.fabric_partition,
+            "switches": list(self.switches),
             "verification": self.verification,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SandboxRecord:
-        """Read a stored record; version 1 (no ``version`` key) fills what it lacked.
+        """Read a stored record; version 1 (no ``version`` key) fills what it lacked, and so do
+        records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -177,9 +190,15 @@ class SandboxRecord:
             creator=ProcessIdentity.from_dict(creator) if isinstance(creator, dict) else None,
             labels={str(k): str(v) for k, v in (data.get("labels") or {}).items()},
             gpus=tuple(GpuRecord.from_dict(gpu) for gpu in data.get("gpus") or ()),
+            fabric_partition=_optional_int(data.get("fabric_partition")),
+            switches=tuple(str(bdf) for bdf in data.get("switches") or ()),
             verification=data.get("verification"),
             version=SCHEMA_VERSION,
         )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 @dataclass(frozen=True)
