@@ -33,8 +33,8 @@ class FakeNvml:
 
     ``spec``: ``{"init_error": str}`` to fail at init, ``{"count_error": str}`` to fail when
     counting devices, or ``{"devices": [...]}`` where each device is
-    ``{"bus_id", "name", "memory_mib", "uuid", "pids"}`` (``"pids"`` may be an error string)
-    or ``{"error": str}``.
+    ``{"bus_id", "name", "memory_mib", "uuid", "pids"}`` (``"memory_mib"`` and ``"pids"`` may
+    be an error string) or ``{"error": str}``.
     """
 
     def __init__(self, spec: dict[str, Any]) -> None:
@@ -67,7 +67,10 @@ class FakeNvml:
         return self._device(index)["name"]
 
     def memory_total(self, index: int) -> int:
-        return self._device(index)["memory_mib"] * MIB
+        memory = self._device(index)["memory_mib"]
+        if isinstance(memory, str):
+            raise NvmlError(memory)
+        return memory * MIB
 
     def uuid(self, index: int) -> str:
         return self._device(index)["uuid"]

@@ -139,6 +139,7 @@ def test_hgx_lists_eight_h100_with_every_field(hgx: list[dict[str, Any]]) -> Non
             "index": index,
             "pcie_switch": switch,
             "boot_vga": False,
+            "drm_cards": [],
         }
 
 
@@ -155,6 +156,7 @@ def test_hgx_lists_nvswitches_as_fabric_only(hgx: list[dict[str, Any]]) -> None:
             "driver": "nvidia",
             "numa_node": 0,
             "iommu_group": group,
+            "in_use_by": None,
         }
         for bus, group in [(0x08, 20), (0x09, 21), (0x0A, 22), (0x0B, 23)]
     ]
@@ -167,6 +169,7 @@ def test_hgx_lists_nvswitches_as_fabric_only(hgx: list[dict[str, Any]]) -> None:
         "fabric": 4,
         "nvml": False,
         "notes": ["NVML unavailable: Driver Not Loaded"],
+        "unified_memory_mib": None,  # no GPU here uses the host's memory
     }
 
 
@@ -280,6 +283,7 @@ def test_workstation_card_takes_its_four_functions() -> None:
         "index": 0,
         "pcie_switch": None,
         "boot_vga": False,
+        "drm_cards": [],
     }
     # The Cezanne iGPU counts as an AMD GPU, and is the boot VGA device.
     assert (igpu["bdf"], igpu["vendor"], igpu["boot_vga"]) == ("0000:30:00.0", "amd", True)
@@ -383,13 +387,14 @@ def test_mi300x() -> None:
         "bar_64bit_prefetchable_total": 256 * GIB + 2 * MIB,
         "memory_mib": 196608,
         "memory_source": "pci-id",
-        "uuid": None,
+        "uuid": "GPU-3f5a9c0e71b2d486",  # ROCm's: "GPU-" and amdgpu's sysfs unique_id
         "bindable": True,
         "reasons": [],
         "in_use_by": None,
         "index": 0,
         "pcie_switch": "0000:01:00.0",
         "boot_vga": False,
+        "drm_cards": ["card1"],  # from the drm/ children of the function
     }
     # the BMC's ASPEED VGA is the boot device, and no GPU
     assert (inventory["fabric"], inventory["host"]["notes"]) == ([], [])

@@ -203,18 +203,19 @@ def test_gpu_requests_on_the_fake_hgx_host_end_at_libvirts_refusal(config: Confi
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                 )
                 assert "9" in message
-                two = _request("t-os-gpu2")
-                two.spec.resource_requirements.gpu.count = 2
+                # one GPU: on this NVSwitch board (full passthrough) a guest takes 1 or all 8
+                one = _request("t-os-gpu1")
+                one.spec.resource_requirements.gpu.count = 1
                 driver.ValidateSandboxCreate(
-                    pb.ValidateSandboxCreateRequest(sandbox=two), timeout=120
+                    pb.ValidateSandboxCreateRequest(sandbox=one), timeout=120
                 )
-                code, message = _code(driver.CreateSandbox, pb.CreateSandboxRequest(sandbox=two))
+                code, message = _code(driver.CreateSandbox, pb.CreateSandboxRequest(sandbox=one))
                 assert code == grpc.StatusCode.FAILED_PRECONDITION
-                assert "starting sandbox 't-os-gpu2': libvirt refused" in message
+                assert "starting sandbox 't-os-gpu1': libvirt refused" in message
                 assert "passthrough" in message
                 listed = driver.ListSandboxes(pb.ListSandboxesRequest(), timeout=60)
-                assert "t-os-gpu2" not in [s.name for s in listed.sandboxes]
-    assert leftovers(config, "t-os-gpu2") == []
+                assert "t-os-gpu1" not in [s.name for s in listed.sandboxes]
+    assert leftovers(config, "t-os-gpu1") == []
 
 
 def test_phase_port_matches_the_gateways_rules():

@@ -129,7 +129,7 @@ def test_gpu_count_and_driver_config_devices_go_through_compat():
 def test_bad_gpu_fields_are_invalid_argument_from_compat():
     devices_alone = _sandbox()
     devices_alone.spec.template.driver_config.update({"gpu_device_ids": ["0000:41:00.0"]})
-    with pytest.raises(InvalidArgument, match="names GPUs but the spec asks for none"):
+    with pytest.raises(InvalidArgument, match="gpu_device_ids requires a gpu request"):
         translate(devices_alone, IMAGES)
     unknown = _sandbox()
     unknown.spec.resource_requirements.gpu.SetInParent()

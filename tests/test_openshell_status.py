@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from openshell_client import phase
 
-from vmsandbox.manager import Sandbox
 from vmsandbox.openshell.status import MainProcess, main_process, snapshot
+from vmsandbox.sandbox import Sandbox
 
 
 def _sandbox(state: str, **extra: Any) -> Sandbox:

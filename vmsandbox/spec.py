@@ -75,10 +75,11 @@ class GpuRequest:
     """Which GPUs a sandbox wants. No count, devices or ``all`` means one GPU.
 
     Validated and normalised on construction (see ``vmsandbox.gpuquery`` for the spellings):
-    ``devices`` holds canonical BDFs (``0000:41:00.0``), NVIDIA UUIDs (``GPU-...``) or inventory
-    indexes (as strings), in the order given; UUIDs and indexes are resolved against the
-    inventory at allocation time. ``count`` with ``devices`` must equal their number; ``all``
-    excludes both. ``vendor``, ``model`` (whole-word match) and ``min_memory_mib`` filter.
+    ``devices`` holds canonical BDFs (``0000:41:00.0``), NVIDIA or ROCm UUIDs (``GPU-...``), DRM
+    card names (``card1``) or inventory indexes (as strings), in the order given; all but BDFs
+    are resolved against the inventory at allocation time. ``count`` with ``devices`` must equal
+    their number; ``all`` excludes both. ``vendor``, ``model`` (whole-word match) and
+    ``min_memory_mib`` filter.
     """
 
     count: int | None = None

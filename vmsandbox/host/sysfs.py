@@ -114,6 +114,21 @@ class PciFunction:
         return self._attribute("boot_vga") == "1"
 
     @cached_property
+    def unique_id(self) -> str | None:
+        """amdgpu's ``unique_id`` attribute: the 16 hex digits behind ROCm's GPU UUID."""
+        return self._attribute("unique_id") or None
+
+    @cached_property
+    def drm_cards(self) -> tuple[str, ...]:
+        """Names of the DRM card nodes below the function (``card1``), in number order."""
+        try:
+            names = os.listdir(f"{self.sys_path}/drm")
+        except OSError:
+            return ()
+        cards = [name for name in names if name.startswith("card") and name[4:].isdecimal()]
+        return tuple(sorted(cards, key=lambda name: int(name[4:])))
+
+    @cached_property
     def hwdb_name(self) -> str | None:
         """Model name from udev's hwdb (``ID_MODEL_FROM_DATABASE``), if udev set one."""
         return self._device.properties.get("ID_MODEL_FROM_DATABASE")

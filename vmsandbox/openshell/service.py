@@ -30,7 +30,7 @@ import grpc
 import vmsandbox
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, NotFound, VmSandboxError
-from vmsandbox.manager import STATE_READY, Sandbox, SandboxManager
+from vmsandbox.manager import SandboxManager
 from vmsandbox.openshell.events import DomainEvent, DomainEvents
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
@@ -38,6 +38,8 @@ from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, sandbox_name, t
 from vmsandbox.openshell.status import MAIN_QUERY, MainProcess, main_process, snapshot
 from vmsandbox.openshell.supervisor import Supervisor
 from vmsandbox.openshell.tunnel import GatewayTunnels
+from vmsandbox.record import STATE_READY
+from vmsandbox.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vmsandbox.guestsetup import MAIN_UNIT
-from vmsandbox.manager import STATE_FAILED, STATE_READY, Sandbox
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.request import ID_LABEL, NAMESPACE_LABEL, WORKSPACE_LABEL
+from vmsandbox.record import STATE_FAILED, STATE_READY
+from vmsandbox.sandbox import Sandbox
 
 MAIN_QUERY = f"systemctl show -p LoadState -p ActiveState -p ExecMainStatus {MAIN_UNIT}"
 
