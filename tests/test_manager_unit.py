@@ -23,6 +23,7 @@ from vmsandbox.errors import (
     GuestVerificationFailed,
     InvalidArgument,
     NotFound,
+    Unavailable,
 )
 from vmsandbox.guest import Endpoint
 from vmsandbox.manager import SandboxManager
@@ -434,6 +435,25 @@ def test_a_refused_start_leaves_the_sandbox_as_it_was(
         manager.start("unit")
     assert hv.domains["vmsbx-unit"].state == "defined"
     assert hv.domains["vmsbx-unit"].data == before
+
+
+def test_a_refused_start_whose_restore_fails_keeps_the_starts_error(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), start=False)
+    hv.before["start"] = refuse("starting sandbox 'unit': libvirt refused: no PCI device")
+
+    def restore_fails(_domain: str) -> None:
+        if ("start", "vmsbx-unit") in hv.calls:
+            raise Unavailable("updating the metadata: libvirt is unavailable")
+
+    hv.before["set_metadata"] = restore_fails
+    with pytest.raises(FailedPrecondition, match="no PCI device") as caught:
+        manager.start("unit")
+    assert caught.value.__notes__ == [
+        "restoring the state of sandbox 'unit' failed: "
+        "updating the metadata: libvirt is unavailable"
+    ]
 
 
 def test_a_start_in_flight_shows_starting_while_its_starter_lives(

@@ -61,8 +61,11 @@ def start(hypervisor: Hypervisor, record: SandboxRecord, state: str) -> bool:
     hypervisor.set_metadata(domain, starting.to_dict(), STATE_STARTING)
     try:
         hypervisor.start(domain)
-    except BaseException:
-        hypervisor.set_metadata(domain, record.to_dict(), state)
+    except BaseException as exc:
+        try:
+            hypervisor.set_metadata(domain, record.to_dict(), state)
+        except VmSandboxError as restore:  # the start's error stays the one the caller sees
+            exc.add_note(f"restoring the state of sandbox {record.name!r} failed: {restore}")
         raise
     return True
 
