@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from fake_hypervisor import FakeHypervisor, refuse
+from test_seed import read_iso
 
 from vmsandbox import lifecycle
 from vmsandbox.config import Config
@@ -26,6 +27,7 @@ from vmsandbox.errors import (
     Unavailable,
 )
 from vmsandbox.guest import Endpoint
+from vmsandbox.guestsetup import GuestFile, GuestSetup
 from vmsandbox.manager import SandboxManager
 from vmsandbox.process import ProcessIdentity
 from vmsandbox.record import SCHEMA_VERSION, SandboxFiles, SandboxRecord
@@ -110,6 +112,23 @@ def test_create_without_start_is_defined(manager: SandboxManager, hv: FakeHyperv
     assert manager.create(spec(), start=False).state == "defined"
     assert ("start", "vmsbx-unit") not in hv.calls
     assert not hv.domains["vmsbx-unit"].running
+
+
+def test_the_seed_step_carries_the_specs_guest_setup_and_the_domain_does_not(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    secret = "eyJhbGciOi.unit-secret"
+    setup = GuestSetup(
+        environment={"TEAM": "ml"},
+        files=(GuestFile("/etc/openshell/token", secret, mode="0600"),),
+    )
+    manager.create(replace(spec(), guest=setup), start=False)
+    seed = SandboxFiles.of(config, "unit").seed
+    user_data = json.loads(read_iso(seed, "user-data").split("\n", 1)[1])
+    written = {item["path"]: item for item in user_data["write_files"]}
+    assert written["/etc/openshell/token"]["content"] == secret
+    assert any("TEAM=ml" in item["content"] for item in written.values())
+    assert secret not in hv.domains["vmsbx-unit"].xml
 
 
 def test_the_record_is_typed_and_versioned(manager: SandboxManager, hv: FakeHypervisor) -> None:
