@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from fake_hypervisor import FakeHypervisor, refuse
+from test_seed import read_iso
 
 from vmsandbox import lifecycle
 from vmsandbox.config import Config
@@ -21,12 +22,15 @@ from vmsandbox.errors import (
     AlreadyExists,
     FailedPrecondition,
     GuestVerificationFailed,
+    InvalidArgument,
     NotFound,
+    Unavailable,
 )
 from vmsandbox.guest import Endpoint
+from vmsandbox.guestsetup import GuestFile, GuestSetup
 from vmsandbox.manager import SandboxManager
 from vmsandbox.process import ProcessIdentity
-from vmsandbox.record import SandboxFiles, SandboxRecord
+from vmsandbox.record import SCHEMA_VERSION, SandboxFiles, SandboxRecord
 from vmsandbox.spec import SandboxSpec
 from vmsandbox.verify import VerificationReport
 
@@ -110,10 +114,27 @@ def test_create_without_start_is_defined(manager: SandboxManager, hv: FakeHyperv
     assert not hv.domains["vmsbx-unit"].running
 
 
+def test_the_seed_step_carries_the_specs_guest_setup_and_the_domain_does_not(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    secret = "eyJhbGciOi.unit-secret"
+    setup = GuestSetup(
+        environment={"TEAM": "ml"},
+        files=(GuestFile("/etc/openshell/token", secret, mode="0600"),),
+    )
+    manager.create(replace(spec(), guest=setup), start=False)
+    seed = SandboxFiles.of(config, "unit").seed
+    user_data = json.loads(read_iso(seed, "user-data").split("\n", 1)[1])
+    written = {item["path"]: item for item in user_data["write_files"]}
+    assert written["/etc/openshell/token"]["content"] == secret
+    assert any("TEAM=ml" in item["content"] for item in written.values())
+    assert secret not in hv.domains["vmsbx-unit"].xml
+
+
 def test_the_record_is_typed_and_versioned(manager: SandboxManager, hv: FakeHypervisor) -> None:
     manager.create(spec(), wait=False)
     data = hv.domains["vmsbx-unit"].data
-    assert data is not None and data["version"] == 2
+    assert data is not None and data["version"] == SCHEMA_VERSION
     record = SandboxRecord.from_dict(data)
     assert record.creator == ProcessIdentity.current()
     assert record.to_dict() == data
@@ -394,3 +415,123 @@ def test_reconcile_releases_only_leases_whose_domain_is_gone(
         assert mgr.reconcile() == {"removed": [], "problems": [], "fabric_partitions": ["4"]}
     assert json.loads((fm / "active.json").read_text()) == [1]
     assert ledger(config) == ["1.json"]
+
+
+# -- stop, start, wait (power.py) -----------------------------------------------------------------
+
+
+def test_stop_presses_the_power_button_and_keeps_the_domain(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), wait=False)
+    assert manager.stop("unit", grace=5).state == "stopped"
+    assert ("shutdown", "vmsbx-unit") in hv.calls and ("stop", "vmsbx-unit") not in hv.calls
+    assert "vmsbx-unit" in hv.domains  # disk and GPUs (its hostdevs) are kept
+
+
+def test_stop_powers_off_a_guest_that_ignores_the_button(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), wait=False)
+    hv.domains["vmsbx-unit"].ignores_acpi = True
+    assert manager.stop("unit", grace=0.1).state == "stopped"
+    assert ("stop", "vmsbx-unit") in hv.calls
+
+
+def test_stop_grace_must_be_seconds_above_zero(manager: SandboxManager) -> None:
+    with pytest.raises(InvalidArgument, match="grace must be a finite number") as caught:
+        manager.stop("unit", grace=0)
+    assert caught.value.details == {"field": "grace", "value": "0"}
+
+
+def test_a_refused_start_leaves_the_sandbox_as_it_was(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), start=False)
+    before = dict(hv.domains["vmsbx-unit"].data or {})
+    hv.before["start"] = refuse("starting sandbox 'unit': libvirt refused: no PCI device")
+    with pytest.raises(FailedPrecondition, match="no PCI device"):
+        manager.start("unit")
+    assert hv.domains["vmsbx-unit"].state == "defined"
+    assert hv.domains["vmsbx-unit"].data == before
+
+
+def test_a_refused_start_whose_restore_fails_keeps_the_starts_error(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), start=False)
+    hv.before["start"] = refuse("starting sandbox 'unit': libvirt refused: no PCI device")
+
+    def restore_fails(_domain: str) -> None:
+        if ("start", "vmsbx-unit") in hv.calls:
+            raise Unavailable("updating the metadata: libvirt is unavailable")
+
+    hv.before["set_metadata"] = restore_fails
+    with pytest.raises(FailedPrecondition, match="no PCI device") as caught:
+        manager.start("unit")
+    assert caught.value.__notes__ == [
+        "restoring the state of sandbox 'unit' failed: "
+        "updating the metadata: libvirt is unavailable"
+    ]
+
+
+def test_a_start_in_flight_shows_starting_while_its_starter_lives(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), start=False)
+    assert manager.start("unit", wait=False).state == "starting"
+    record = SandboxRecord.from_dict(hv.domains["vmsbx-unit"].data or {})
+    assert record.starter == ProcessIdentity.current()
+    hv.domains["vmsbx-unit"].running = False
+    assert manager.get("unit").state == "starting"  # its starter (this process) lives
+    gone = replace(record, starter=ProcessIdentity(pid=1, start=None, boot="another boot"))
+    hv.domains["vmsbx-unit"].data = gone.to_dict()
+    assert manager.get("unit").state == "stopped"
+
+
+def test_start_of_a_running_or_creating_sandbox(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), wait=False)
+    hv.calls.clear()
+    assert manager.start("unit").state == "started"  # running: returned as it is
+    assert ("start", "vmsbx-unit") not in hv.calls
+    hv.domains["vmsbx-unit"].state = "creating"
+    hv.domains["vmsbx-unit"].running = False
+    with pytest.raises(FailedPrecondition, match="still being created"):
+        manager.start("unit")
+
+
+def test_a_guest_that_does_not_come_up_is_stored_failed_with_why(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), start=False)
+    manager.start("unit", wait=False)
+    hv.domains["vmsbx-unit"].running = False
+    hv.domains["vmsbx-unit"].reason = "the guest powered itself off"
+    with pytest.raises(FailedPrecondition, match="stopped before SSH came up"):
+        manager.wait("unit", timeout=30)
+    assert hv.domains["vmsbx-unit"].state == "failed"
+    failure = SandboxRecord.from_dict(hv.domains["vmsbx-unit"].data or {}).failure
+    assert failure is not None and failure["code"] == "FAILED_PRECONDITION"
+    assert "the guest powered itself off" in failure["message"]
+    assert manager.get("unit").failure == failure
+
+
+def test_stop_and_start_name_a_missing_sandbox(manager: SandboxManager) -> None:
+    for call in (manager.stop, manager.start):
+        with pytest.raises(NotFound, match="sandbox 'ghost' does not exist"):
+            call("ghost")
+
+
+def test_a_version_2_record_reads_without_failure_or_starter(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), wait=False)
+    old = {
+        k: v
+        for k, v in (hv.domains["vmsbx-unit"].data or {}).items()
+        if k not in ("failure", "starter")
+    }
+    record = SandboxRecord.from_dict({**old, "version": 2})
+    assert (record.failure, record.starter, record.version) == (None, None, SCHEMA_VERSION)

@@ -239,6 +239,28 @@ def _cmd_destroy(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+def _cmd_stop(args: argparse.Namespace, out: Output) -> int:
+    with _manager() as manager:
+        data = manager.stop(args.name, grace=args.grace).to_dict()
+    out.result(data, f"stopped {args.name}")
+    return 0
+
+
+def _cmd_start(args: argparse.Namespace, out: Output) -> int:
+    with _manager(progress=not args.json) as manager:
+        data = manager.start(
+            args.name, wait=not args.no_wait, verify=not args.no_verify, timeout=args.timeout
+        ).to_dict()
+    out.result(data, f"started {args.name} ({data['state']})")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace, _out: Output) -> int:
+    from vmsandbox.openshell.server import serve
+
+    return serve(args.openshell_socket)
+
+
 def _cmd_verify(args: argparse.Namespace, out: Output) -> int:
     with _manager() as manager:
         report = manager.verify(args.name)
@@ -376,6 +398,9 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "exec": _cmd_exec,
     "ssh": _cmd_ssh,
     "destroy": _cmd_destroy,
+    "stop": _cmd_stop,
+    "start": _cmd_start,
+    "serve": _cmd_serve,
     "reconcile": _cmd_reconcile,
     "gpus": _cmd_gpus,
     "verify": _cmd_verify,

@@ -146,6 +146,27 @@ def build_parser() -> argparse.ArgumentParser:
     destroy = sub.add_parser("destroy", parents=common, help="stop and remove sandboxes")
     destroy.add_argument("names", nargs="+")
 
+    stop = sub.add_parser("stop", parents=common, help="shut a sandbox down, disk and GPUs kept")
+    stop.add_argument("name")
+    stop.add_argument(
+        "--grace", type=_seconds, default=60.0, help="seconds before power-off (default 60)"
+    )
+    start = sub.add_parser("start", parents=common, help="start a stopped sandbox")
+    start.add_argument("name")
+    start.add_argument("--no-wait", action="store_true", help="return once the domain runs")
+    start.add_argument("--no-verify", action="store_true", help="skip the in-guest GPU check")
+    start.add_argument("--timeout", type=_seconds)
+
+    serve = sub.add_parser(
+        "serve", parents=common, help="serve the OpenShell compute-driver API (foreground)"
+    )
+    serve.add_argument(
+        "--openshell-socket",
+        metavar="PATH",
+        required=True,
+        help="Unix socket the OpenShell gateway dials (its folder is made 0700)",
+    )
+
     verify = sub.add_parser(
         "verify", parents=common, help="re-check a sandbox's GPUs from inside the guest"
     )

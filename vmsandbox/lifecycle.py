@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 from vmsandbox import boot, plan
 from vmsandbox.errors import (
     AlreadyExists,
-    DeadlineExceeded,
     FailedPrecondition,
     GuestVerificationFailed,
     ResourceExhausted,
@@ -169,6 +168,7 @@ def _seed(c: Creation) -> None:
             host=c.pairs[1],
             network=network_config(c.mac, user_net=c.config.network == "user"),
             workdir=c.files.keys_dir,  # its files hold the host key: never outside the state dir
+            guest=c.spec.guest,  # environment, secret files, main unit: in the 0600 seed only
         )
 
 
@@ -217,15 +217,7 @@ def _wait(c: Creation) -> None:
     timeout = c.timeout or boot.boot_timeout(c.config.boot_timeout, c.spec.memory_mib, len(c.gpus))
     watch = boot.BootWatch(c.hypervisor, c.name, c.domain, c.files)
     ssh = c.record.ssh
-    try:
-        if ssh.port is not None:
-            c.endpoint = Endpoint(ssh.host, ssh.port, ssh.user)
-        else:
-            c.endpoint = boot.lease_endpoint(
-                c.hypervisor, c.domain, ssh.user, timeout=timeout, check=watch.check
-            )
-    except DeadlineExceeded as exc:
-        raise watch.timed_out(exc) from exc
+    c.endpoint = boot.endpoint(watch, ssh, timeout=timeout)
     if ssh.port is None:  # the DHCP address is kept in the record: get/exec/ssh use it
         c.record = replace(c.record, ssh=replace(ssh, host=c.endpoint.host, port=22))
     keys = c.files.keys(c.record.host_key_alias)

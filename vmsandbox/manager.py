@@ -1,10 +1,11 @@
 """SandboxManager: the path of one sandbox, from request to a running, reachable VM, and back.
 
-It orchestrates and nothing else. The record and files are record.py's; planning the domain is
-plan.py's; the create steps and their undos are lifecycle.py's; the boot wait is boot.py's
-(console reading: console.py); reconcile is reconcile.py's; libvirt is behind hypervisor.py's
-``Hypervisor``. libvirt is the source of truth: every sandbox is a persistent domain named
-``vmsbx-<name>`` whose metadata holds its record.
+It orchestrates and nothing else. The record and files are record.py's, reading and writing
+them in libvirt store.py's; planning the domain is plan.py's; the create steps and their undos
+are lifecycle.py's; the boot wait is boot.py's (console reading: console.py); stop, start and
+the wait for readiness are power.py's; reconcile is reconcile.py's; libvirt is behind
+hypervisor.py's ``Hypervisor``. libvirt is the source of truth: every sandbox is a persistent
+domain named ``vmsbx-<name>`` whose metadata holds its record.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
-from vmsandbox import guest, lifecycle, virt
+from vmsandbox import guest, lifecycle, power, virt
 from vmsandbox import plan as planner
 from vmsandbox.boot import check_timeout
 from vmsandbox.config import Config
@@ -28,15 +29,14 @@ from vmsandbox.progress import Progress, silent
 from vmsandbox.reconcile import reconcile as reconcile_sandboxes
 from vmsandbox.record import (
     DOMAIN_PREFIX,
-    STATE_CREATING,
-    STATE_DEFINED,
+    STATE_READY,
     SandboxFiles,
     SandboxRecord,
-    names_domain,
     prepare_state_dirs,
 )
 from vmsandbox.sandbox import Sandbox
 from vmsandbox.spec import SandboxSpec, generate_name, validate_name
+from vmsandbox.store import SandboxStore
 
 if TYPE_CHECKING:
     import libvirt
@@ -50,7 +50,7 @@ def _no_checkpoint(_stage: str) -> None:
 
 
 class SandboxManager:
-    """Create, find, use and destroy sandboxes on one host.
+    """Create, find, use, stop, start and destroy sandboxes on one host.
 
     ``checkpoint(stage)`` is called after each create step (see lifecycle.py); the crash tests
     install one that stops there to be killed. ``hypervisor`` defaults to libvirt at
@@ -74,6 +74,7 @@ class SandboxManager:
         if checkpoint is not None:
             self.checkpoint = checkpoint
         self.images = ImageStore(self.config.images)
+        self.store = SandboxStore(self.hypervisor, self.config)
         prepare_state_dirs(self.config)
         if reconcile:
             self.reconcile()
@@ -96,33 +97,6 @@ class SandboxManager:
 
     def _locked(self) -> contextlib.AbstractContextManager[None]:
         return host_lock(self.config.lock_path)
-
-    def _sandboxes(self) -> list[tuple[SandboxRecord, str]]:
-        """Our sandboxes (any state directory) with their recorded state. A record of a newer
-        vmsandbox is refused when it is this state directory's, and skipped otherwise."""
-        found = []
-        for stored in self.hypervisor.list(DOMAIN_PREFIX):
-            if stored.data is None or not names_domain(stored.data, stored.domain):
-                continue
-            try:
-                found.append((SandboxRecord.from_dict(stored.data), stored.state))
-            except FailedPrecondition:
-                if str(stored.data.get("keys", "")).startswith(f"{self.config.sandboxes}/"):
-                    raise
-        return found
-
-    def _lookup(self, name: str) -> tuple[SandboxRecord, str] | None:
-        stored = self.hypervisor.metadata(DOMAIN_PREFIX + name)
-        if stored is None:
-            return None
-        if stored.data is None or not names_domain(stored.data, stored.domain):
-            raise FailedPrecondition(
-                f"domain {stored.domain!r} exists but was not made by vmsandbox; not touching it"
-            )
-        return SandboxRecord.from_dict(stored.data), stored.state
-
-    def _store(self, record: SandboxRecord, state: str) -> None:
-        self.hypervisor.set_metadata(DOMAIN_PREFIX + record.name, record.to_dict(), state)
 
     # -- create -------------------------------------------------------------------------------
 
@@ -163,9 +137,9 @@ class SandboxManager:
             files=SandboxFiles.of(self.config, name),
             spec=spec,
             image=image,
-            virt_type=self._virt_type(spec, image, say),
+            virt_type=virt.for_sandbox(spec.virt_type, self.config, image.kernel, say),
             progress=say,
-            exists=lambda n: self._lookup(n) is not None,
+            exists=lambda n: self.store.lookup(n) is not None,
             allocate=functools.partial(self._allocate, spec),
             free_port=self._free_port,
             host_cpus=_host_cpus,
@@ -179,7 +153,7 @@ class SandboxManager:
         lifecycle.run(steps, creation, self._locked, self.checkpoint)
         assert creation.record is not None  # made by the define step
         record, state = creation.record, creation.state
-        sandbox = self._sandbox(record, state)
+        sandbox = self.store.view(record, state)
         sandbox.boot_seconds = creation.boot_seconds
         lifecycle.check_verification(creation, self._locked, keep=keep_on_failure)
         say(f"sandbox {name} is {state}")
@@ -187,10 +161,10 @@ class SandboxManager:
 
     def verify(self, name: str) -> dict[str, Any]:
         """Re-run the in-guest GPU verification of a running sandbox; the report is stored."""
-        record, state = self._get(name)
+        record, state = self.store.get(name)
         files = SandboxFiles.of(self.config, name)
         report = lifecycle.verify_guest(record, self._endpoint(record), files)
-        self._store(replace(record, verification=report), state)
+        self.store.put(replace(record, verification=report), state)
         return report
 
     def dry_run(self, spec: SandboxSpec) -> tuple[str, list[Gpu]]:
@@ -206,10 +180,7 @@ class SandboxManager:
             image: BaseImage | None = self.images.get(spec.image)
         except NotFound:
             image = None
-        virt_type = self.config.virt_type if spec.virt_type == "auto" else spec.virt_type
-        if virt_type == "auto":
-            cache = self.config.state_dir / "virt-probe.json"
-            virt_type = virt.cached(cache=cache, qemu=self.config.probe_qemu) or "qemu"
+        virt_type = virt.for_sandbox(spec.virt_type, self.config, None, self.progress)
         with self._locked():
             chosen = self._allocate(spec)
             port = self._free_port() if self.config.network == "user" else None
@@ -224,14 +195,6 @@ class SandboxManager:
             host_cpus=_host_cpus() if chosen else None,
         )
         return planned.xml(), list(planned.gpus)
-
-    def _virt_type(self, spec: SandboxSpec, image: BaseImage, say: Progress) -> str:
-        requested = spec.virt_type if spec.virt_type != "auto" else self.config.virt_type
-        cache = self.config.state_dir / "virt-probe.json"
-        qemu = self.config.probe_qemu
-        if requested == "auto" and virt.cached(cache=cache, qemu=qemu) is None:
-            say("probing whether KVM runs guests on this host (once, then cached)")
-        return virt.resolve(requested, cache=cache, kernel=image.kernel, qemu=qemu)
 
     def _allocate(self, spec: SandboxSpec) -> Allocation | None:
         """Under the host lock: the GPUs for ``spec`` (None: it asks for none), free on every
@@ -254,34 +217,22 @@ class SandboxManager:
 
     def _free_port(self) -> int:
         """A loopback port that no sandbox of ours forwards and nothing listens on now."""
-        return planner.free_port({record.ssh.port for record, _state in self._sandboxes()})
+        return planner.free_port({record.ssh.port for record, _state in self.store.all()})
 
     # -- read ---------------------------------------------------------------------------------
 
-    def _sandbox(self, record: SandboxRecord, state: str) -> Sandbox:
-        running = self.hypervisor.running(DOMAIN_PREFIX + record.name)
-        shown = state if running or state in (STATE_CREATING, STATE_DEFINED) else "stopped"
-        return Sandbox.of(record, shown, SandboxFiles.of(self.config, record.name))
-
-    def _get(self, name: str) -> tuple[SandboxRecord, str]:
-        validate_name(name)
-        found = self._lookup(name)
-        if found is None:
-            raise NotFound(f"sandbox {name!r} does not exist", details={"name": name})
-        return found
-
     def get(self, name: str) -> Sandbox:
-        record, state = self._get(name)
+        record, state = self.store.get(name)
         if record.ssh.port is None:  # libvirt network: learn the DHCP address once, keep it
             address = self.hypervisor.lease_address(DOMAIN_PREFIX + name)
             if address is not None:
                 record = replace(record, ssh=replace(record.ssh, host=address, port=22))
-                self._store(record, state)
-        return self._sandbox(record, state)
+                self.store.put(record, state)
+        return self.store.view(record, state)
 
     def list(self) -> list[Sandbox]:
         return sorted(
-            (self._sandbox(record, state) for record, state in self._sandboxes()),
+            (self.store.view(record, state) for record, state in self.store.all()),
             key=lambda sandbox: sandbox.name,
         )
 
@@ -320,6 +271,39 @@ class SandboxManager:
             raise FailedPrecondition(f"sandbox {name!r} has no SSH endpoint yet")
         return guest.ssh_argv(sandbox.ssh, self.keys_of(sandbox), command)
 
+    # -- power (power.py) ----------------------------------------------------------------------
+
+    def stop(self, name: str, *, grace: float = 60.0) -> Sandbox:
+        """Shut the guest down, disk and GPUs kept: its power button, then power off after
+        ``grace`` seconds. Idempotent: a sandbox that does not run is left as it is."""
+        check_timeout(grace, field="grace")
+        self.store.get(name)
+        power.stop(self.hypervisor, DOMAIN_PREFIX + name, grace=grace)
+        return self.store.view(*self.store.get(name))
+
+    def start(
+        self, name: str, *, wait: bool = True, verify: bool = True, timeout: float | None = None
+    ) -> Sandbox:
+        """Start a stopped (or only defined) sandbox, its GPUs passed through again; with
+        ``wait``, return once it is ready (``wait``). Idempotent: a running sandbox is returned
+        as it is. A GPU gone from the host: FAILED_PRECONDITION, the sandbox left as it was."""
+        check_timeout(timeout)
+        if power.start(self.hypervisor, *self.store.get(name)) and wait:
+            return self.wait(name, verify=verify, timeout=timeout)
+        return self.store.view(*self.store.get(name))
+
+    def wait(self, name: str, *, verify: bool = True, timeout: float | None = None) -> Sandbox:
+        """Wait until a started sandbox answers SSH, verify its GPUs (``verify``) and mark it
+        ready; a guest that does not come up is marked failed, the reason in its record."""
+        check_timeout(timeout)
+        record, _state = self.store.get(name)
+        record, waited = power.wait(
+            self.hypervisor, self.config, record, self.progress, verify=verify, timeout=timeout
+        )
+        sandbox = self.store.view(record, STATE_READY)
+        sandbox.boot_seconds = waited
+        return sandbox
+
     # -- destroy ------------------------------------------------------------------------------
 
     def destroy(self, name: str) -> None:
@@ -329,11 +313,11 @@ class SandboxManager:
         FAILED_PRECONDITION naming what could not be removed."""
         validate_name(name)
         files = SandboxFiles.of(self.config, name)
-        found = self._lookup(name)
+        found = self.store.lookup(name)
         if found is not None:  # stopped before the lock: a hung QEMU must not hold it
             self.hypervisor.stop(DOMAIN_PREFIX + name)
         with self._locked():  # looked up again: a create may have defined it meanwhile
-            found = self._lookup(name)
+            found = self.store.lookup(name)
             if found is None and not files.existing():
                 raise NotFound(f"sandbox {name!r} does not exist", details={"name": name})
             record = found[0] if found else None
@@ -349,7 +333,7 @@ class SandboxManager:
         with self._locked():
             local = [
                 (record, state)
-                for record, state in self._sandboxes()
+                for record, state in self.store.all()
                 if record.keys == str(SandboxFiles.of(self.config, record.name).keys_dir)
             ]
             return reconcile_sandboxes(self.hypervisor, self.config, local).to_dict()

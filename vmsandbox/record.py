@@ -25,12 +25,15 @@ if TYPE_CHECKING:
     from vmsandbox.config import Config
     from vmsandbox.host.model import Gpu
 
-SCHEMA_VERSION = 2
+# 3: ``failure`` and ``starter`` (stop/start and readiness of the OpenShell driver).
+SCHEMA_VERSION = 3
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
 STATE_STARTED = "started"  # started without waiting for SSH (create(wait=False))
 STATE_READY = "ready"  # SSH accepted its key (and the GPUs were verified when asked)
+STATE_STARTING = "starting"  # started by power.start; ready once wait() saw SSH (and the GPUs)
+STATE_FAILED = "failed"  # started, but the guest did not come up; ``failure`` says why
 
 # libvirt writes each QEMU domain's own log here (qemu:///system); destroy removes it too.
 LIBVIRT_QEMU_LOG_DIR = Path("/var/log/libvirt/qemu")
@@ -119,6 +122,10 @@ class SandboxRecord:
     fabric_partition: int | None = None
     switches: tuple[str, ...] = ()
     verification: dict[str, Any] | None = None
+    # State failed: why the guest did not come up ({code, message} of the error wait() raised).
+    failure: dict[str, str] | None = None
+    # State starting: the process that started it; while it lives the sandbox shows starting.
+    starter: ProcessIdentity | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -149,12 +156,15 @@ class SandboxRecord:
             "fabric_partition": self.fabric_partition,
             "switches": list(self.switches),
             "verification": self.verification,
+            "failure": dict(self.failure) if self.failure else None,
+            "starter": self.starter.to_dict() if self.starter else None,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SandboxRecord:
         """Read a stored record; version 1 (no ``version`` key) fills what it lacked, and so do
-        records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``).
+        records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``) and
+        version 2 (no ``failure``, no ``starter``).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -169,6 +179,8 @@ class SandboxRecord:
         ssh = data.get("ssh") or {}
         port = ssh.get("port")
         creator = data.get("creator")
+        starter = data.get("starter")
+        failure = data.get("failure")
         return cls(
             name=name,
             image=str(data.get("image", "?")),
@@ -193,6 +205,10 @@ class SandboxRecord:
             fabric_partition=_optional_int(data.get("fabric_partition")),
             switches=tuple(str(bdf) for bdf in data.get("switches") or ()),
             verification=data.get("verification"),
+            failure=(
+                {str(k): str(v) for k, v in failure.items()} if isinstance(failure, dict) else None
+            ),
+            starter=ProcessIdentity.from_dict(starter) if isinstance(starter, dict) else None,
             version=SCHEMA_VERSION,
         )
 

@@ -31,10 +31,15 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vmsandbox.errors import FailedPrecondition, InvalidArgument
 from vmsandbox.lock import host_lock
+
+if TYPE_CHECKING:
+    from vmsandbox.config import Config
 
 QEMU = "/usr/bin/qemu-system-x86_64"
 PROBE_SECONDS = 6  # a working KVM prints the kernel banner well within this
@@ -42,6 +47,21 @@ KILL_AFTER = 2  # SIGTERM first (QEMU exits cleanly), SIGKILL this much later
 # No process of a probe outlives this, counted from its start, whatever happens to its caller.
 PROBE_LIMIT = PROBE_SECONDS + KILL_AFTER
 _MARKER = b"Linux version"
+
+
+def for_sandbox(
+    requested: str, config: Config, kernel: Path | None, say: Callable[[str], None]
+) -> str:
+    """The virt type of a sandbox asking for ``requested`` (``auto``: the config's). ``auto``
+    probes KVM once per host with ``kernel`` (cached in the state directory). With no kernel (a
+    dry run) nothing is probed or refused: ``auto`` is the cached answer, ``qemu`` without one."""
+    wanted = requested if requested != "auto" else config.virt_type
+    cache = config.state_dir / "virt-probe.json"
+    if kernel is None:
+        return wanted if wanted != "auto" else cached(cache=cache, qemu=config.probe_qemu) or "qemu"
+    if wanted == "auto" and cached(cache=cache, qemu=config.probe_qemu) is None:
+        say("probing whether KVM runs guests on this host (once, then cached)")
+    return resolve(wanted, cache=cache, kernel=kernel, qemu=config.probe_qemu)
 
 
 def resolve(requested: str, *, cache: Path, kernel: Path | None, qemu: str = QEMU) -> str:
