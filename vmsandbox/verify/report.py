@@ -12,6 +12,7 @@ from typing import Any
 
 from vmsandbox.errors import GuestVerificationFailed
 from vmsandbox.host.pci_ids import NVIDIA_VENDOR_ID, pci_id
+from vmsandbox.record import GpuRecord
 from vmsandbox.tables import render_grid
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
@@ -47,16 +48,21 @@ class ExpectedGpu:
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ExpectedGpu:
-        """From the manager's per-GPU record (``Sandbox.gpus``)."""
+        """From the manager's per-GPU record (``Sandbox.gpus``), read by the record's own parser."""
+        return cls.of(GpuRecord.from_dict(dict(record)))
+
+    @classmethod
+    def of(cls, gpu: GpuRecord) -> ExpectedGpu:
+        """From a sandbox record's GPU: the identity the host saw when it passed the GPU on."""
         return cls(
-            bdf=str(record["bdf"]),
-            vendor=str(record.get("vendor", "")),
-            vendor_id=str(record["vendor_id"]),
-            device_id=str(record["device_id"]),
-            name=record.get("name"),
-            memory_mib=record.get("memory_mib"),
-            companions=tuple(record.get("companions", ())),
-            companion_ids=tuple(tuple(pair) for pair in record.get("companion_ids", ())),
+            bdf=gpu.bdf,
+            vendor=gpu.vendor,
+            vendor_id=gpu.vendor_id,
+            device_id=gpu.device_id,
+            name=gpu.name,
+            memory_mib=gpu.memory_mib,
+            companions=gpu.companions,
+            companion_ids=gpu.companion_ids,
         )
 
 
