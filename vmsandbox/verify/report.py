@@ -7,7 +7,7 @@ host saw it); a ``GpuReport`` is that identity plus what the guest showed of it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from vmsandbox.errors import GuestVerificationFailed
@@ -53,17 +53,9 @@ class ExpectedGpu:
 
     @classmethod
     def of(cls, gpu: GpuRecord) -> ExpectedGpu:
-        """From a sandbox record's GPU: the identity the host saw when it passed the GPU on."""
-        return cls(
-            bdf=gpu.bdf,
-            vendor=gpu.vendor,
-            vendor_id=gpu.vendor_id,
-            device_id=gpu.device_id,
-            name=gpu.name,
-            memory_mib=gpu.memory_mib,
-            companions=gpu.companions,
-            companion_ids=gpu.companion_ids,
-        )
+        """From a sandbox record's GPU: the identity the host saw when it passed the GPU on
+        (every field of ExpectedGpu is one of GpuRecord's)."""
+        return cls(**{item.name: getattr(gpu, item.name) for item in fields(cls)})
 
 
 def ids_text(vendor_id: str, device_id: str) -> str:
