@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vmsandbox.host.model import Bar, FabricDevice, Gpu, Inventory
 from vmsandbox.host.nvml import NvmlError
 
 HOSTS = Path(__file__).resolve().parent / "fixtures" / "hosts"
@@ -117,6 +118,32 @@ def probe(host: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+def inventory_from_dict(data: dict[str, Any]) -> Inventory:
+    """An ``Inventory`` back from ``Inventory.to_dict()`` (what ``probe`` returns per case)."""
+    host = data["host"]
+    gpus = tuple(
+        Gpu(
+            **{
+                **gpu,
+                **{key: tuple(gpu[key]) for key in ("group_members", "companions", "reasons")},
+                "companion_ids": tuple(tuple(pair) for pair in gpu["companion_ids"]),
+                "bars": tuple(Bar(**bar) for bar in gpu["bars"]),
+                "drm_cards": tuple(gpu["drm_cards"]),
+            }
+        )
+        for gpu in data["gpus"]
+    )
+    return Inventory(
+        gpus=gpus,
+        fabric=tuple(FabricDevice(**device) for device in data["fabric"]),
+        iommu=host["iommu"],
+        pci_devices=host["pci_devices"],
+        nvml=host["nvml"],
+        notes=tuple(host["notes"]),
+        unified_memory_mib=host["unified_memory_mib"],
+    )
 
 
 def _main() -> None:

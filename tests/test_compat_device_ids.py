@@ -10,13 +10,13 @@ the DRM card node card1.
 from __future__ import annotations
 
 import pytest
-from conftest_host import probe
+from conftest_host import inventory_from_dict, probe
 
 from vmsandbox.allocator import select
 from vmsandbox.compat import tako
 from vmsandbox.errors import InvalidArgument
 from vmsandbox.gpuquery import normalise_device_id
-from vmsandbox.host.model import Bar, Gpu, Inventory
+from vmsandbox.host.model import Inventory
 from vmsandbox.spec import GpuRequest
 
 ROCM_UUID = "GPU-3f5a9c0e71b2d486"
@@ -67,21 +67,7 @@ def test_amd_spellings_rejected(raw: str) -> None:
 @pytest.fixture(scope="module")
 def mi300x() -> Inventory:
     [result] = probe("mi300x", [{}])
-    data = result["inventory"]
-    gpus = tuple(
-        Gpu(
-            **{
-                **gpu,
-                **{key: tuple(gpu[key]) for key in ("group_members", "companions", "reasons")},
-                "companion_ids": tuple(tuple(pair) for pair in gpu["companion_ids"]),
-                "bars": tuple(Bar(**bar) for bar in gpu["bars"]),
-                "drm_cards": tuple(gpu["drm_cards"]),
-            }
-        )
-        for gpu in data["gpus"]
-    )
-    host = data["host"]
-    return Inventory(gpus, (), host["iommu"], host["pci_devices"], host["nvml"])
+    return inventory_from_dict(result["inventory"])
 
 
 def test_discovery_reads_rocm_uuid_and_drm_card(mi300x: Inventory) -> None:

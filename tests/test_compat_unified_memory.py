@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_host import probe
+from conftest_host import inventory_from_dict, probe
 
 from vmsandbox.allocator import select
 from vmsandbox.compat import flowmesh
 from vmsandbox.errors import FailedPrecondition
-from vmsandbox.host.model import Bar, Gpu, Inventory
+from vmsandbox.host.model import Inventory
 from vmsandbox.spec import GpuRequest
 
 GB10 = "000f:01:00.0"
@@ -36,31 +36,6 @@ NVML = {
         }
     ]
 }
-
-
-def inventory_of(data: dict[str, Any]) -> Inventory:
-    gpus = tuple(
-        Gpu(
-            **{
-                **gpu,
-                **{key: tuple(gpu[key]) for key in ("group_members", "companions", "reasons")},
-                "companion_ids": tuple(tuple(pair) for pair in gpu["companion_ids"]),
-                "bars": tuple(Bar(**bar) for bar in gpu["bars"]),
-                "drm_cards": tuple(gpu["drm_cards"]),
-            }
-        )
-        for gpu in data["gpus"]
-    )
-    host = data["host"]
-    return Inventory(
-        gpus,
-        (),
-        host["iommu"],
-        host["pci_devices"],
-        host["nvml"],
-        tuple(host["notes"]),
-        host["unified_memory_mib"],
-    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +54,7 @@ def probed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def gb10(probed: list[dict[str, Any]]) -> Inventory:
-    return inventory_of(probed[0]["inventory"])
+    return inventory_from_dict(probed[0]["inventory"])
 
 
 def test_discovery_marks_the_gpu_unified_and_reads_the_pool(probed: list[dict]) -> None:

@@ -372,47 +372,46 @@ def ledger(config: Config) -> list[str]:
     return sorted(path.name for path in (config.state_dir / "fabric").glob("*.json"))
 
 
-def test_destroy_deactivates_the_partition_once_the_domain_is_gone(
-    config: Config, hv: FakeHypervisor, fm: Path
-) -> None:
-    config = replace(config, fmpm=str(FMPM))
-    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
+@pytest.fixture
+def fm_manager(config: Config, hv: FakeHypervisor, fm: Path) -> Iterator[SandboxManager]:
+    """A manager whose fmpm is the fake one, holding sandbox 'unit' (created, not waited for)."""
+    with SandboxManager(replace(config, fmpm=str(FMPM)), hypervisor=hv, reconcile=False) as mgr:
         mgr.create(spec(), wait=False)
-        lease(config, 4, "unit")
-        mgr.destroy("unit")
+        yield mgr
+
+
+def test_destroy_deactivates_the_partition_once_the_domain_is_gone(
+    fm_manager: SandboxManager, config: Config, hv: FakeHypervisor, fm: Path
+) -> None:
+    lease(config, 4, "unit")
+    fm_manager.destroy("unit")
     assert json.loads((fm / "active.json").read_text()) == [1]
     assert (fm / "calls.log").read_text().splitlines() == ["-l", "-d 4"]
     assert ledger(config) == [] and left(config, hv) == []
 
 
 def test_fm_down_at_destroy_keeps_the_lease_for_reconcile(
-    config: Config, hv: FakeHypervisor, fm: Path
+    fm_manager: SandboxManager, config: Config, hv: FakeHypervisor, fm: Path
 ) -> None:
-    config = replace(config, fmpm=str(FMPM))
-    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
-        mgr.create(spec(), wait=False)
-        lease(config, 4, "unit")
-        (fm / "unreachable").touch()
-        with pytest.raises(FailedPrecondition, match="was not removed completely") as caught:
-            mgr.destroy("unit")
-        assert "Fabric Manager" in caught.value.message
-        assert left(config, hv) == [] and ledger(config) == ["4.json"]
-        report = mgr.reconcile()
-        assert report["fabric_partitions"] == [] and "cannot be reached" in report["problems"][0]
-        (fm / "unreachable").unlink()
-        assert mgr.reconcile() == {"removed": [], "problems": [], "fabric_partitions": ["4"]}
+    lease(config, 4, "unit")
+    (fm / "unreachable").touch()
+    with pytest.raises(FailedPrecondition, match="was not removed completely") as caught:
+        fm_manager.destroy("unit")
+    assert "Fabric Manager" in caught.value.message
+    assert left(config, hv) == [] and ledger(config) == ["4.json"]
+    report = fm_manager.reconcile()
+    assert report["fabric_partitions"] == [] and "cannot be reached" in report["problems"][0]
+    (fm / "unreachable").unlink()
+    assert fm_manager.reconcile() == {"removed": [], "problems": [], "fabric_partitions": ["4"]}
     assert json.loads((fm / "active.json").read_text()) == [1] and ledger(config) == []
 
 
 def test_reconcile_releases_only_leases_whose_domain_is_gone(
-    config: Config, hv: FakeHypervisor, fm: Path
+    fm_manager: SandboxManager, config: Config, fm: Path
 ) -> None:
-    config = replace(config, fmpm=str(FMPM))
-    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
-        mgr.create(spec(), wait=False)
-        lease(config, 1, "unit")  # its domain is there: kept
-        lease(config, 4, "killed-after-activation")
-        assert mgr.reconcile() == {"removed": [], "problems": [], "fabric_partitions": ["4"]}
+    lease(config, 1, "unit")  # its domain is there: kept
+    lease(config, 4, "killed-after-activation")
+    assert fm_manager.reconcile() == {"removed": [], "problems": [], "fabric_partitions": ["4"]}
     assert json.loads((fm / "active.json").read_text()) == [1]
     assert ledger(config) == ["1.json"]
 

@@ -8,7 +8,7 @@ failures become our error codes here.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -155,25 +155,24 @@ class LibvirtHypervisor:
             dom.create()
 
     def stop(self, domain: str) -> None:
-        try:
-            self.conn.lookupByName(domain).destroy()
-        except libvirt.libvirtError as exc:
-            if exc.get_error_code() not in (
-                libvirt.VIR_ERR_NO_DOMAIN,
-                libvirt.VIR_ERR_OPERATION_INVALID,  # not running
-            ):
-                raise translate(exc, f"stopping {_what(domain)}") from exc
+        self._unless_stopped(domain, "stopping", lambda dom: dom.destroy())
 
     def shutdown(self, domain: str) -> None:
         """Press the guest's power button (ACPI); it powers itself off, or ignores it."""
+        self._unless_stopped(domain, "shutting down", lambda dom: dom.shutdown())
+
+    def _unless_stopped(
+        self, domain: str, doing: str, act: Callable[[libvirt.virDomain], object]
+    ) -> None:
+        """``act`` on the domain; one that is gone or not running is already where it should be."""
         try:
-            self.conn.lookupByName(domain).shutdown()
+            act(self.conn.lookupByName(domain))
         except libvirt.libvirtError as exc:
             if exc.get_error_code() not in (
                 libvirt.VIR_ERR_NO_DOMAIN,
                 libvirt.VIR_ERR_OPERATION_INVALID,  # not running
             ):
-                raise translate(exc, f"shutting down {_what(domain)}") from exc
+                raise translate(exc, f"{doing} {_what(domain)}") from exc
 
     def undefine(self, domain: str) -> None:
         try:

@@ -1,4 +1,4 @@
-"""Guest base images: build from recipes under ``images/``, import, list, resolve, remove.
+"""Guest base images: the store that builds from ``images/`` recipes, imports, lists and removes.
 
 Layout under the image directory (one folder per image name, one per build)::
 
@@ -12,6 +12,8 @@ Layout under the image directory (one folder per image name, one per build)::
 a rebuild happens only when the recipe changes, and overlays of running sandboxes keep their old
 backing file when it does. A build folder, once published, is never changed or replaced: a
 forced rebuild of an unchanged recipe goes to ``<id>-2`` (``-3``, ...) and moves ``current``.
+
+How a recipe becomes the files of one build is image_build.py.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shlex
 import shutil
 import time
 import tomllib
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vmsandbox.apt_sources import mirror_lines
 from vmsandbox.config import Config
 from vmsandbox.errors import (
     FailedPrecondition,
@@ -39,17 +39,14 @@ from vmsandbox.errors import (
     NotFound,
     ResourceExhausted,
 )
-from vmsandbox.fabric.version import image_driver_version
+from vmsandbox.image_build import BUILDER_VERSION, KERNEL_CMDLINE, build_recipe, require_tools
 from vmsandbox.image_check import check_import
 from vmsandbox.progress import Progress, silent
 from vmsandbox.resources import RECIPES
 from vmsandbox.spec import validate_image_name
-from vmsandbox.tools import run_streaming, run_tool, write_with_tool
+from vmsandbox.tools import run_tool, write_with_tool
 
 RECIPE_DIR = RECIPES
-# Bump when the build steps below change what a recipe produces.
-BUILDER_VERSION = "1"
-KERNEL_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 biosdevname=0"
 # Which sandboxes use which build folder, read when asked (image_users.image_users).
 Users = Callable[[], Mapping[Path, Sequence[str]]]
 
@@ -245,8 +242,8 @@ class ImageStore:
             if not force and self.is_current(name, build_id):
                 progress(f"image {name} is up to date ({build_id})")
                 return self.get(name)
-            _require_tools("mmdebstrap", "mkfs.ext4", "qemu-img")
-            return self._publish(name, build_id, lambda tmp: _build_recipe(recipe, tmp, progress))
+            require_tools("mmdebstrap", "mkfs.ext4", "qemu-img")
+            return self._publish(name, build_id, lambda tmp: build_recipe(recipe, tmp, progress))
 
     def import_image(
         self,
@@ -379,63 +376,6 @@ def _delete(folder: Path, name: str) -> Removed:
     return Removed(name=name, id=folder.name, bytes=freed)
 
 
-def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, Any]:
-    data = recipe.data
-    suite = str(data.get("suite", "bookworm"))
-    components = [str(c) for c in data.get("components", ["main"])]
-    packages = [str(p) for p in data.get("packages", [])]
-    rootdir = tmp / "root"
-    hooks = [f'--customize-hook={shlex.quote(str(s))} "$1"' for s in recipe.scripts]
-    command = [
-        "mmdebstrap",
-        "--mode=root",
-        "--variant=apt",
-        "--format=directory",
-        f"--components={','.join(components)}",
-        f"--include={','.join(packages)}",
-        '--aptopt=APT::Install-Recommends "false"',
-        "--dpkgopt=path-exclude=/usr/share/doc/*",
-        "--dpkgopt=path-exclude=/usr/share/man/*",
-        "--dpkgopt=path-exclude=/usr/share/locale/*",
-        "--dpkgopt=path-include=/usr/share/locale/locale.alias",
-        *hooks,
-        suite,
-        str(rootdir),
-        *mirror_lines(suite, components),
-    ]
-    progress(f"mmdebstrap {suite}: {len(packages)} packages ({', '.join(components)})")
-    run_streaming(command, progress, message=_mmdebstrap_message)
-    boot = rootdir / "boot"
-    kernels = sorted(boot.glob("vmlinuz-*"))
-    initrds = sorted(boot.glob("initrd.img-*"))
-    if not kernels or not initrds:
-        raise FailedPrecondition(f"recipe {recipe.name!r} produced no kernel or initrd in /boot")
-    kernel_version = kernels[-1].name.removeprefix("vmlinuz-")
-    shutil.copyfile(kernels[-1], tmp / "vmlinuz")
-    shutil.copyfile(initrds[-1], tmp / "initrd.img")
-    nvidia_driver = image_driver_version(rootdir)  # shared NVSwitch mode's version rule
-    used = _tree_size(rootdir)
-    size_mib = (used * 12 // 10) // 2**20 + int(data.get("headroom_mib", 512))
-    progress(f"making ext4 filesystem ({size_mib} MiB, {used // 2**20} MiB of files)")
-    raw = tmp / "disk.raw"
-    run_tool(["mkfs.ext4", "-q", "-F", "-L", "root", "-d", str(rootdir), str(raw), f"{size_mib}M"])
-    shutil.rmtree(rootdir)
-    progress("converting to qcow2")
-    run_tool(["qemu-img", "convert", "-O", "qcow2", str(raw), str(tmp / "disk.qcow2")])
-    raw.unlink()
-    return {
-        "kind": "recipe",
-        "recipe_hash": recipe.hash,
-        "description": data.get("description", ""),
-        "kernel": "vmlinuz",
-        "initrd": "initrd.img",
-        "kernel_version": kernel_version,
-        "cmdline": KERNEL_CMDLINE,
-        "packages": packages,
-        "nvidia_driver_version": nvidia_driver,
-    }
-
-
 def make_overlay(base: Path, overlay: Path, disk_gib: int) -> None:
     """A qcow2 overlay of ``disk_gib`` GiB on base image ``base`` (0600, written atomically)."""
     write_with_tool(
@@ -446,20 +386,6 @@ def make_overlay(base: Path, overlay: Path, disk_gib: int) -> None:
         ],
         what=f"cannot create overlay {overlay}",
     )
-
-
-def _mmdebstrap_message(line: str) -> str | None:
-    """mmdebstrap's info, warning and error lines, as progress messages."""
-    return f"mmdebstrap: {line[3:]}" if line.startswith(("I: ", "E: ", "W: ")) else None
-
-
-def _tree_size(root: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for file in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, file)).st_size
-    return total
 
 
 def _file_hash(path: Path) -> str:
@@ -473,11 +399,3 @@ def _file_hash(path: Path) -> str:
 def _qemu_img_info(path: Path) -> dict[str, Any]:
     out = run_tool(["qemu-img", "info", "--output=json", str(path)])
     return json.loads(out)
-
-
-def _require_tools(*tools: str) -> None:
-    missing = [tool for tool in tools if shutil.which(tool) is None]
-    if missing:
-        raise FailedPrecondition(
-            f"missing tools for image builds: {', '.join(missing)}; run the setup (make setup)"
-        )

@@ -242,7 +242,7 @@ def verify_guest(record: SandboxRecord, endpoint: Endpoint, files: SandboxFiles)
     from vmsandbox import guest, verify
 
     keys = files.keys(record.host_key_alias)
-    expected = [verify.ExpectedGpu.from_record(gpu.to_dict()) for gpu in record.gpus]
+    expected = [verify.ExpectedGpu.of(gpu) for gpu in record.gpus]
     run = functools.partial(guest.run, endpoint, keys)
     return verify.verify(run, expected, fabric=record.on_fabric).to_dict()
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from vmsandbox import domain as domain_xml
 from vmsandbox.errors import InvalidArgument, ResourceExhausted
-from vmsandbox.images import KERNEL_CMDLINE, BaseImage
+from vmsandbox.image_build import KERNEL_CMDLINE
+from vmsandbox.images import BaseImage
 from vmsandbox.process import ProcessIdentity
 from vmsandbox.record import (
     DOMAIN_PREFIX,

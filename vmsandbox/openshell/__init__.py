@@ -6,6 +6,6 @@ Modules: ``quantity`` (Kubernetes CPU/memory quantities), ``request`` (a DriverS
 SandboxSpec and what the guest receives), ``status`` (a sandbox into its DriverSandbox snapshot),
 ``events`` (libvirt lifecycle events fanned out to watchers), ``service`` (the RPCs),
 ``supervisor`` (the optional openshell-sandbox in every guest), ``tunnel`` (its SSH way back to
-the gateway), ``socket`` (the socket, its modes and the peer check), ``server`` (serving until
-SIGTERM).
+the gateway), ``socket`` (the socket, its modes and the peer check), ``splice`` (the two-way
+copy both relay through), ``server`` (serving until SIGTERM).
 """

@@ -24,9 +24,9 @@ import threading
 from pathlib import Path
 
 from vmsandbox.errors import FailedPrecondition, InvalidArgument
+from vmsandbox.openshell.splice import splice
 
 log = logging.getLogger(__name__)
-_CHUNK = 65536
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, one for the NUL
 
 
@@ -120,20 +120,4 @@ class PeerGate:
             client.close()
             backend.close()
             return
-        other = threading.Thread(target=_pump, args=(backend, client), daemon=True)
-        other.start()
-        _pump(client, backend)
-        other.join()
-        client.close()
-        backend.close()
-
-
-def _pump(source: socket.socket, sink: socket.socket) -> None:
-    """Copy until ``source`` ends, then end ``sink``'s sending side."""
-    try:
-        while data := source.recv(_CHUNK):
-            sink.sendall(data)
-    except OSError:
-        pass
-    with contextlib.suppress(OSError):
-        sink.shutdown(socket.SHUT_WR)
+        splice(client, backend)

@@ -11,7 +11,6 @@ on the loopback of both machines; the forward lives as long as the driver serves
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -22,10 +21,10 @@ import paramiko
 from vmsandbox.errors import NotFound, VmSandboxError
 from vmsandbox.guest import connect
 from vmsandbox.manager import SandboxManager
+from vmsandbox.openshell.splice import splice
 
 log = logging.getLogger(__name__)
 _RETRY_SECONDS = 2.0
-_CHUNK = 65536
 
 
 class GatewayTunnels:
@@ -85,36 +84,16 @@ class GatewayTunnels:
             while transport.is_active() and not stop.wait(_RETRY_SECONDS):
                 pass
 
-    def _accept(self, channel: object, _origin: object, _server: object) -> None:
+    def _accept(self, channel: paramiko.Channel, _origin: object, _server: object) -> None:
         """A guest connection arrived: join it to the gateway (in a thread: paramiko calls this
         from its transport thread, which must not block)."""
         threading.Thread(target=self._join, args=(channel,), daemon=True).start()
 
-    def _join(self, channel: object) -> None:
+    def _join(self, channel: paramiko.Channel) -> None:
         try:
             gateway = socket.create_connection(("127.0.0.1", self.port))
         except OSError as exc:
             log.warning("the gateway at 127.0.0.1:%d cannot be reached: %s", self.port, exc)
-            channel.close()  # type: ignore[attr-defined]
+            channel.close()
             return
-        other = threading.Thread(target=_pump, args=(gateway, channel), daemon=True)
-        other.start()
-        _pump(channel, gateway)
-        other.join()
-        gateway.close()
-        channel.close()  # type: ignore[attr-defined]
-
-
-def _pump(source: object, sink: object) -> None:
-    """Copy until ``source`` ends (a socket or an SSH channel: same calls), then end ``sink``'s
-    sending side."""
-    try:
-        while data := source.recv(_CHUNK):  # type: ignore[attr-defined]
-            sink.sendall(data)  # type: ignore[attr-defined]
-    except OSError:
-        pass
-    with contextlib.suppress(OSError, EOFError):
-        if isinstance(sink, socket.socket):
-            sink.shutdown(socket.SHUT_WR)
-        else:
-            sink.shutdown_write()  # type: ignore[attr-defined]
+        splice(channel, gateway)

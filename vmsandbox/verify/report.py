@@ -7,11 +7,12 @@ host saw it); a ``GpuReport`` is that identity plus what the guest showed of it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from vmsandbox.errors import GuestVerificationFailed
 from vmsandbox.host.pci_ids import NVIDIA_VENDOR_ID, pci_id
+from vmsandbox.record import GpuRecord
 from vmsandbox.tables import render_grid
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
@@ -47,17 +48,14 @@ class ExpectedGpu:
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ExpectedGpu:
-        """From the manager's per-GPU record (``Sandbox.gpus``)."""
-        return cls(
-            bdf=str(record["bdf"]),
-            vendor=str(record.get("vendor", "")),
-            vendor_id=str(record["vendor_id"]),
-            device_id=str(record["device_id"]),
-            name=record.get("name"),
-            memory_mib=record.get("memory_mib"),
-            companions=tuple(record.get("companions", ())),
-            companion_ids=tuple(tuple(pair) for pair in record.get("companion_ids", ())),
-        )
+        """From the manager's per-GPU record (``Sandbox.gpus``), read by the record's own parser."""
+        return cls.of(GpuRecord.from_dict(dict(record)))
+
+    @classmethod
+    def of(cls, gpu: GpuRecord) -> ExpectedGpu:
+        """From a sandbox record's GPU: the identity the host saw when it passed the GPU on
+        (every field of ExpectedGpu is one of GpuRecord's)."""
+        return cls(**{item.name: getattr(gpu, item.name) for item in fields(cls)})
 
 
 def ids_text(vendor_id: str, device_id: str) -> str:
