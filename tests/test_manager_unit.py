@@ -112,7 +112,7 @@ def test_create_without_start_is_defined(manager: SandboxManager, hv: FakeHyperv
 def test_the_record_is_typed_and_versioned(manager: SandboxManager, hv: FakeHypervisor) -> None:
     manager.create(spec(), wait=False)
     data = hv.domains["vmsbx-unit"].data
-    assert data is not None and data["version"] == 2
+    assert data is not None and data["version"] == 3
     record = SandboxRecord.from_dict(data)
     assert record.creator == ProcessIdentity.current()
     assert record.to_dict() == data

@@ -9,6 +9,12 @@ partition before ``define``) is one ``Step`` in ``CREATE_STEPS``.
 
 Steps marked ``locked`` run under the host lock (names, ports and GPUs are chosen there, and the
 domain is defined before the lock is let go); their undos run under it too.
+
+The warm pool (pool.py) has two paths of its own: ``FILL_STEPS`` make a pooled guest (the create
+steps behind a locked check that the shape's pool has room, ending in state ``pooled``), and
+``CLAIM_STEPS`` turn a pooled guest into the sandbox (a locked step that takes one and rewrites
+its record, then its hostname over SSH). Both leave a record in state ``creating`` while they
+work, so a killed fill or claim is taken apart by reconcile like a killed create.
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import shlex
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from vmsandbox import boot, plan
+from vmsandbox import boot, guest, plan
 from vmsandbox.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -34,12 +42,14 @@ from vmsandbox.guest import Endpoint
 from vmsandbox.hypervisor import Hypervisor
 from vmsandbox.images import BaseImage, make_overlay
 from vmsandbox.keys import KeyPair, SandboxKeys
+from vmsandbox.pool import NoPooledGuest, PoolFull
 from vmsandbox.process import ProcessIdentity
 from vmsandbox.progress import Progress
 from vmsandbox.record import (
     DOMAIN_PREFIX,
     STATE_CREATING,
     STATE_DEFINED,
+    STATE_POOLED,
     STATE_READY,
     STATE_STARTED,
     SandboxFiles,
@@ -67,7 +77,8 @@ class Remains:
 
     @property
     def domain(self) -> str:
-        return DOMAIN_PREFIX + self.name
+        """The domain carries the files' name: a claimed pooled guest keeps its own."""
+        return DOMAIN_PREFIX + self.files.name
 
 
 @dataclass(kw_only=True)
@@ -94,6 +105,10 @@ class Creation(Remains):
     planned: plan.SandboxPlan | None = None
     endpoint: Endpoint | None = None
     boot_seconds: float | None = None
+    # The warm pool: whether the fill's shape has room (under the lock), and the pooled guest
+    # a claim takes (under the lock; None when there is none ready).
+    room: Callable[[], bool] = lambda: False
+    take_pooled: Callable[[], SandboxRecord | None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -256,6 +271,59 @@ def _mark(c: Creation) -> None:
     c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
 
 
+def _room(c: Creation) -> None:
+    """Fill: stop when the shape's pool is full (guests still booting count)."""
+    if not c.room():
+        raise PoolFull(c.spec.image)
+
+
+def _pooled(c: Creation) -> None:
+    """Fill: the guest answered SSH; it is ready to be claimed."""
+    assert c.record is not None  # made by the define step
+    c.state = STATE_POOLED
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
+
+
+def _claim(c: Creation) -> None:
+    """Take a ready pooled guest of the spec's shape and make it this sandbox: its record gets
+    the sandbox's name, labels and creator (state creating until the hostname is set)."""
+    found = c.take_pooled()
+    if found is None:
+        raise NoPooledGuest(c.spec.image)
+    c.files = SandboxFiles.of(c.config, found.stem)  # from here on undos remove that guest
+    c.record = replace(
+        found,
+        name=c.name,
+        guest=found.stem,
+        labels=dict(c.spec.labels),
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        creator=ProcessIdentity.current(),
+    )
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING)
+
+
+def _hostname(c: Creation) -> None:
+    """Give the claimed guest the sandbox's name as its hostname (over SSH, with sudo)."""
+    assert c.record is not None  # made by the claim step
+    ssh = c.record.ssh
+    assert ssh.port is not None  # pooled guests were waited for: their endpoint is known
+    c.endpoint = Endpoint(ssh.host, ssh.port, ssh.user)
+    name = shlex.quote(c.name)
+    command = (
+        f"sudo hostname {name} && echo {name} | sudo tee /etc/hostname >/dev/null && "
+        f"sudo sed -i 's/^127\\.0\\.1\\.1[[:space:]].*/127.0.1.1 '{name}'/' /etc/hosts"
+    )
+    started = time.monotonic()
+    result = guest.run(c.endpoint, c.files.keys(c.record.host_key_alias), command, timeout=60)
+    if result.exit_status != 0:
+        raise FailedPrecondition(
+            f"setting the hostname of sandbox {c.name!r} in pooled guest {c.files.name!r} "
+            f"failed (exit {result.exit_status}): {result.stderr.strip()}",
+            details={"name": c.name, "guest": c.files.name},
+        )
+    c.boot_seconds = round(time.monotonic() - started, 3)
+
+
 def _stop(r: Remains) -> None:
     r.hypervisor.stop(r.domain)
 
@@ -265,6 +333,12 @@ def _undefine(r: Remains) -> None:
 
 
 def _remove_files(r: Remains) -> None:
+    r.files.remove()
+
+
+def _remove_guest(r: Remains) -> None:
+    r.hypervisor.stop(r.domain)
+    r.hypervisor.undefine(r.domain)
     r.files.remove()
 
 
@@ -282,6 +356,19 @@ CREATE_STEPS: tuple[Step, ...] = (
 )
 # Steps skipped by create(start=False).
 STARTING = frozenset({"start", "wait", "verify"})
+# A pooled guest: the create steps (no GPU to verify) behind the room check, ending in "pooled".
+FILL_STEPS: tuple[Step, ...] = (
+    Step("room", _room, locked=True),
+    *(step for step in CREATE_STEPS if step.name not in ("verify", "ready")),
+    Step("pooled", _pooled),
+)
+# Claiming a pooled guest. Its undo removes the guest: a half-claimed guest never goes back.
+CLAIM_STEPS: tuple[Step, ...] = (
+    Step("reserve", _reserve, locked=True),
+    Step("claim", _claim, _remove_guest, locked=True),
+    Step("hostname", _hostname),
+    Step("ready", _mark),
+)
 
 
 # -- running them -------------------------------------------------------------------------------

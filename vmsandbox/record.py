@@ -25,12 +25,13 @@ if TYPE_CHECKING:
     from vmsandbox.config import Config
     from vmsandbox.host.model import Gpu
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: ``guest``, the pooled guest a sandbox was claimed from
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
 STATE_STARTED = "started"  # started without waiting for SSH (create(wait=False))
 STATE_READY = "ready"  # SSH accepted its key (and the GPUs were verified when asked)
+STATE_POOLED = "pooled"  # a booted guest of the warm pool, not claimed yet (pool.py)
 
 # libvirt writes each QEMU domain's own log here (qemu:///system); destroy removes it too.
 LIBVIRT_QEMU_LOG_DIR = Path("/var/log/libvirt/qemu")
@@ -115,7 +116,19 @@ class SandboxRecord:
     labels: dict[str, str] = field(default_factory=dict)
     gpus: tuple[GpuRecord, ...] = ()
     verification: dict[str, Any] | None = None
+    # The pooled guest this sandbox was claimed from: its domain and files keep that guest's
+    # name (libvirt cannot rename a running domain). None: domain and files carry ``name``.
+    guest: str | None = None
     version: int = SCHEMA_VERSION
+
+    @property
+    def stem(self) -> str:
+        """The name the domain and the host files carry."""
+        return self.guest or self.name
+
+    @property
+    def domain(self) -> str:
+        return DOMAIN_PREFIX + self.stem
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -137,6 +150,7 @@ class SandboxRecord:
             "labels": dict(self.labels),
             "gpus": [gpu.to_dict() for gpu in self.gpus],
             "verification": self.verification,
+            "guest": self.guest,
         }
 
     @classmethod
@@ -178,6 +192,7 @@ class SandboxRecord:
             labels={str(k): str(v) for k, v in (data.get("labels") or {}).items()},
             gpus=tuple(GpuRecord.from_dict(gpu) for gpu in data.get("gpus") or ()),
             verification=data.get("verification"),
+            guest=str(data["guest"]) if data.get("guest") else None,
             version=SCHEMA_VERSION,
         )
 
@@ -239,16 +254,19 @@ class SandboxFiles:
 
 
 def names_domain(data: dict[str, Any], domain: str) -> bool:
-    """A stored record is ours only if it names, with a valid name, the domain it is stored in:
-    its name becomes file paths, so a name that is not a sandbox name must never reach them."""
+    """A stored record is ours only if it names, with valid names, the domain it is stored in
+    (by its pooled guest's name when it has one, else by its own): those names become file
+    paths, so a name that is not a sandbox name must never reach them."""
     from vmsandbox.spec import validate_name
 
-    name = data.get("name")
+    name, guest = data.get("name"), data.get("guest")
     try:
         validate_name(name)
+        if guest is not None:
+            validate_name(guest, "guest")
     except InvalidArgument:
         return False
-    return domain == DOMAIN_PREFIX + str(name)
+    return domain == DOMAIN_PREFIX + str(guest or name)
 
 
 def prepare_state_dirs(config: Config) -> None:
