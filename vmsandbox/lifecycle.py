@@ -308,11 +308,14 @@ def _hostname(c: Creation) -> None:
     ssh = c.record.ssh
     assert ssh.port is not None  # pooled guests were waited for: their endpoint is known
     c.endpoint = Endpoint(ssh.host, ssh.port, ssh.user)
-    name = shlex.quote(c.name)
-    command = (
-        f"sudo hostname {name} && echo {name} | sudo tee /etc/hostname >/dev/null && "
-        f"sudo sed -i 's/^127\\.0\\.1\\.1[[:space:]].*/127.0.1.1 '{name}'/' /etc/hosts"
+    # One sudo, /etc/hosts first: sudo looks up the host's name, and a name missing from
+    # /etc/hosts goes to DNS, which a sandbox without outbound network waits out.
+    script = (
+        f"sed -i '/^127\\.0\\.1\\.1[[:space:]]/d' /etc/hosts && "
+        f"echo '127.0.1.1 {c.name}' >> /etc/hosts && "
+        f"echo {c.name} > /etc/hostname && hostname {c.name}"
     )
+    command = f"sudo sh -c {shlex.quote(script)}"
     started = time.monotonic()
     result = guest.run(c.endpoint, c.files.keys(c.record.host_key_alias), command, timeout=60)
     if result.exit_status != 0:
