@@ -202,3 +202,12 @@ def test_drain_removes_every_unclaimed_guest(
     guests = sorted([pooled_guest(manager), pooled_guest(manager)])
     assert sorted(manager.drain_pool()) == guests
     assert everything(config, hv) == []
+
+
+def test_a_claimed_record_is_ours_only_in_its_guests_domain() -> None:
+    from vmsandbox.record import names_domain
+
+    claimed = {"name": "hit", "guest": "pool-1234"}
+    assert names_domain(claimed, "vmsbx-pool-1234")
+    assert not names_domain(claimed, "vmsbx-hit")
+    assert not names_domain({"name": "hit", "guest": "../etc"}, "vmsbx-../etc")
