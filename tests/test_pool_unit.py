@@ -20,6 +20,7 @@ from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, VmSandboxError
 from vmsandbox.manager import SandboxManager
 from vmsandbox.pool import PoolShape, parse_table
+from vmsandbox.record import names_domain
 from vmsandbox.spec import SandboxSpec
 
 IMAGE_ID = "00000000000000aa"
@@ -205,8 +206,6 @@ def test_drain_removes_every_unclaimed_guest(
 
 
 def test_a_claimed_record_is_ours_only_in_its_guests_domain() -> None:
-    from vmsandbox.record import names_domain
-
     claimed = {"name": "hit", "guest": "pool-1234"}
     assert names_domain(claimed, "vmsbx-pool-1234")
     assert not names_domain(claimed, "vmsbx-hit")
