@@ -130,8 +130,9 @@ def cold(state: Path, env: dict[str, str], tag: str) -> tuple[float, dict[str, f
             ("blame", "systemd-analyze blame --no-pager | head -n 12"),
             ("critical_chain", "systemd-analyze critical-chain --no-pager ssh.service"),
         ):
-            done = common.run([common.VMSANDBOX, "exec", name, "--", command], env=env, ok=(0, 1))
-            analyze[key] = done.stdout.strip()
+            exec_argv = [common.VMSANDBOX, "exec", name, "--", "sh", "-c", command]
+            done = common.run(exec_argv, env=env, ok=(0, 1))
+            analyze[key] = (done.stdout + done.stderr).strip()
     finally:
         common.destroy_sandbox(name, env)
     return seconds, {**watch.seen, "SSH ready (create returned)": seconds}, analyze
