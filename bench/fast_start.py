@@ -126,7 +126,8 @@ def cold(state: Path, env: dict[str, str], tag: str) -> tuple[float, dict[str, f
             seconds = common.timed(argv, env=env, timeout=BOOT_TIMEOUT_S + 60)
         analyze = {}
         for key, command in (
-            ("time", "systemd-analyze time"),
+            # once startup has finished: systemd-analyze refuses before that
+            ("time", "systemctl is-system-running --wait >/dev/null; systemd-analyze time"),
             ("blame", "systemd-analyze blame --no-pager | head -n 12"),
             ("critical_chain", "systemd-analyze critical-chain --no-pager ssh.service"),
         ):

@@ -277,6 +277,17 @@ def _room(c: Creation) -> None:
         raise PoolFull(c.spec.image)
 
 
+def _settle(c: Creation) -> None:
+    """Fill: wait until the guest's boot has finished (late units such as cloud-init's last
+    stages hold its vCPU): a claim then finds an idle guest that answers at once."""
+    if not c.wait:
+        return
+    assert c.record is not None and c.endpoint is not None  # made by define and wait
+    keys = c.files.keys(c.record.host_key_alias)
+    command = "command -v systemctl >/dev/null && systemctl is-system-running --wait"
+    guest.run(c.endpoint, keys, f"{command} >/dev/null 2>&1; true", timeout=c.timeout or 300)
+
+
 def _pooled(c: Creation) -> None:
     """Fill: the guest answered SSH; it is ready to be claimed."""
     assert c.record is not None  # made by the define step
@@ -363,6 +374,7 @@ STARTING = frozenset({"start", "wait", "verify"})
 FILL_STEPS: tuple[Step, ...] = (
     Step("room", _room, locked=True),
     *(step for step in CREATE_STEPS if step.name not in ("verify", "ready")),
+    Step("settle", _settle),
     Step("pooled", _pooled),
 )
 # Claiming a pooled guest. Its undo removes the guest: a half-claimed guest never goes back.
