@@ -132,6 +132,10 @@ class SandboxManager:
             None,
         )
 
+    def _local(self, record: SandboxRecord) -> bool:
+        """Whether this state directory made the sandbox (its record names our keys folder)."""
+        return record.keys == str(SandboxFiles.of(self.config, record.stem).keys_dir)
+
     def _store(self, record: SandboxRecord, state: str) -> None:
         self.hypervisor.set_metadata(record.domain, record.to_dict(), state)
 
@@ -255,7 +259,7 @@ class SandboxManager:
                     and shape.holds(record)
                     and record.image_id == image.id
                     and record.virt_type == wanted
-                    and record.keys == str(SandboxFiles.of(self.config, record.stem).keys_dir)
+                    and self._local(record)
                 ):
                     return record
             return None
@@ -316,8 +320,7 @@ class SandboxManager:
         return [
             (record, state)
             for record, state in self._sandboxes()
-            if pool.is_pool_guest(record)
-            and record.keys == str(SandboxFiles.of(self.config, record.stem).keys_dir)
+            if pool.is_pool_guest(record) and self._local(record)
         ]
 
     def fill_pool(self, *, progress: Progress | None = None, poll: float = 1.0) -> list[str]:
@@ -519,11 +522,7 @@ class SandboxManager:
         """Finish removing half-made sandboxes of this state directory (reconcile.py); returns
         what was removed and what could not be fixed."""
         with self._locked():
-            local = [
-                (record, state)
-                for record, state in self._sandboxes()
-                if record.keys == str(SandboxFiles.of(self.config, record.stem).keys_dir)
-            ]
+            local = [(record, state) for record, state in self._sandboxes() if self._local(record)]
             return reconcile_sandboxes(self.hypervisor, self.config, local).to_dict()
 
 
