@@ -210,3 +210,26 @@ def test_a_claimed_record_is_ours_only_in_its_guests_domain() -> None:
     assert names_domain(claimed, "vmsbx-pool-1234")
     assert not names_domain(claimed, "vmsbx-hit")
     assert not names_domain({"name": "hit", "guest": "../etc"}, "vmsbx-../etc")
+
+
+def test_a_fill_replaces_guests_of_an_older_image_build(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    """A rebuilt image: no create claims the old build's guests, so a fill removes them and
+    counts only guests of the current build (the new one is not waited for here)."""
+    old = pooled_guest(manager)
+    dom = hv.domains[f"vmsbx-{old}"]
+    assert dom.data is not None
+    dom.data["image_id"] = "00000000000000bb"
+
+    class Stop(Exception):
+        """Ends the fill once its new guest is defined (there is no guest to wait for)."""
+
+    def stop_at_define(stage: str) -> None:
+        if stage == "define":
+            raise Stop(stage)
+
+    manager.checkpoint = stop_at_define
+    with pytest.raises(Stop):
+        manager.fill_pool()
+    assert everything(config, hv) == []  # the old guest removed, the new one undone

@@ -337,12 +337,22 @@ class SandboxManager:
             time.sleep(poll)
 
     def _fill_shape(self, shape: pool.PoolShape, say: Progress) -> list[str]:
-        """Boot guests of ``shape`` one after the other until its pool is full."""
+        """Boot guests of ``shape`` one after the other until its pool is full. Ready guests
+        of an older build of the image are removed first: no create would claim them."""
         image = self.images.get(shape.image)
         made = []
+        for record, state in self._pool_guests():
+            if state == STATE_POOLED and shape.holds(record) and record.image_id != image.id:
+                say(f"removing pooled guest {record.name}: image {record.image_id} was rebuilt")
+                with contextlib.suppress(NotFound):  # claimed or removed meanwhile
+                    self.destroy(record.name)
 
         def room() -> bool:
-            held = [record for record, _state in self._pool_guests() if shape.holds(record)]
+            held = [
+                record
+                for record, _state in self._pool_guests()
+                if shape.holds(record) and record.image_id == image.id
+            ]
             return len(held) < shape.count
 
         while True:
