@@ -108,7 +108,6 @@ __all__ = [
 NO_NVIDIA_GPU = "no NVIDIA GPU passed"
 NVIDIA_CHECKS = ("driver", "nvidia-smi", "kernel-log", "compute")
 
-
 def verify(run: Runner, expected: Sequence[ExpectedGpu]) -> VerificationReport:
     """Run the checks in the guest behind ``run`` against the GPUs it was given.
 
@@ -190,3 +189,4 @@ def _report(
         driver_version=driver_version,
         kernel_events=kernel_events,
     )
+
