@@ -21,6 +21,7 @@ class FakeDomain:
     state: str
     running: bool = False
     reason: str = "never started"
+    ignores_acpi: bool = False
 
 
 @dataclass
@@ -58,6 +59,14 @@ class FakeHypervisor:
         if domain in self.domains:
             self.domains[domain].running = False
             self.domains[domain].reason = "it was forced off (destroyed)"
+
+    def shutdown(self, domain: str) -> None:
+        """The ACPI button: a fake guest powers off at once unless it ``ignores_acpi``."""
+        self._hook("shutdown", domain)
+        dom = self.domains.get(domain)
+        if dom is not None and dom.running and not dom.ignores_acpi:
+            dom.running = False
+            dom.reason = "the guest powered itself off"
 
     def undefine(self, domain: str) -> None:
         self._hook("undefine", domain)

@@ -13,19 +13,20 @@ import pytest
 from conftest import cli, cli_env
 
 from vmsandbox.config import Config
-from vmsandbox.manager import Sandbox, SandboxManager, SandboxPaths
+from vmsandbox.manager import Sandbox, SandboxManager
+from vmsandbox.record import SandboxFiles
 from vmsandbox.spec import generate_name
 
 pytestmark = pytest.mark.libvirt
 
 
-def half_made(config: Config) -> tuple[str, SandboxPaths]:
+def half_made(config: Config) -> tuple[str, SandboxFiles]:
     """A sandbox name with files and no domain: what a create killed early leaves."""
     name = generate_name("t")
-    paths = SandboxPaths.of(config, name)
+    paths = SandboxFiles.of(config, name)
     paths.overlay.parent.mkdir(parents=True, exist_ok=True)
     paths.overlay.write_text("half")
-    paths.keys.mkdir(parents=True)
+    paths.keys_dir.mkdir(parents=True)
     return name, paths
 
 
@@ -53,7 +54,7 @@ def test_only_create_and_reconcile_repair(manager: SandboxManager, config: Confi
     name, paths = half_made(config)
     for args in (("list",), ("show", name), ("verify", name), ("gpus",), ("images", "list")):
         cli(*args, "--json", config=config)
-        assert paths.existing() == [paths.overlay, paths.keys], args
+        assert paths.existing() == [paths.overlay, paths.keys_dir], args
     done = cli("reconcile", "--json", config=config)
     assert name in json.loads(done.stdout)["removed"]
     assert paths.existing() == []

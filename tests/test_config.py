@@ -91,3 +91,16 @@ def test_virt_type_auto_uses_the_cached_probe(tmp_path: Path):
     assert virt.cached(cache=cache) is None
     with pytest.raises(InvalidArgument):
         virt.resolve("hvf", cache=cache, kernel=None)
+
+
+def test_openshell_allowed_uids_from_toml_list_or_comma_separated_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    file = tmp_path / "config.toml"
+    file.write_text("openshell_allowed_uids = [1001, 1002]\n")
+    assert Config.load(file).openshell_allowed_uids == (1001, 1002)
+    monkeypatch.setenv("VMSANDBOX_OPENSHELL_ALLOWED_UIDS", "7,8")
+    assert Config.load(file).openshell_allowed_uids == (7, 8)
+    monkeypatch.setenv("VMSANDBOX_OPENSHELL_ALLOWED_UIDS", "-1")
+    with pytest.raises(InvalidArgument, match="openshell_allowed_uids"):
+        Config.load(file)

@@ -150,7 +150,7 @@ def test_no_partition_of_that_size_names_the_sizes(host: FabricHost) -> None:
     assert leftovers(host.config, "t-fab-three") == []
 
 
-@pytest.mark.parametrize("stage", ["activated", "defined"])
+@pytest.mark.parametrize("stage", ["fabric", "define"])
 def test_kill_9_after_activation_then_reconcile_deactivates(host: FabricHost, stage: str) -> None:
     name = generate_name("t")
     with umockdev_run("hgx_h100") as (prefix, umockdev_env):
@@ -180,7 +180,7 @@ def test_reconcile_with_fm_down_reports_and_keeps_the_lease(host: FabricHost) ->
         testbed = {k: v for k, v in umockdev_env.items() if k == "TMPDIR"}
         env = {**host.env, **testbed}
         args = ("--image", "fabric", "--gpu-count", "1", "--no-wait")
-        proc = start_create(host.config, name, "activated", *args, prefix=prefix, env=env)
+        proc = start_create(host.config, name, "fabric", *args, prefix=prefix, env=env)
         try:
             kill9(proc)
             [lease] = host.ledger()

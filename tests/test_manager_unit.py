@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from fake_hypervisor import FakeHypervisor, refuse
+from test_seed import read_iso
 
 from vmsandbox import lifecycle
 from vmsandbox.config import Config
@@ -21,12 +22,15 @@ from vmsandbox.errors import (
     AlreadyExists,
     FailedPrecondition,
     GuestVerificationFailed,
+    InvalidArgument,
     NotFound,
+    Unavailable,
 )
 from vmsandbox.guest import Endpoint
+from vmsandbox.guestsetup import GuestFile, GuestSetup
 from vmsandbox.manager import SandboxManager
 from vmsandbox.process import ProcessIdentity
-from vmsandbox.record import SandboxFiles, SandboxRecord
+from vmsandbox.record import SCHEMA_VERSION, SandboxFiles, SandboxRecord
 from vmsandbox.spec import SandboxSpec
 from vmsandbox.verify import VerificationReport
 
@@ -81,6 +85,7 @@ def test_create_runs_every_step_and_checkpoints_each(config: Config, hv: FakeHyp
         "locked",
         "reserve",
         "gpus",
+        "fabric",
         "keys",
         "overlay",
         "seed",
@@ -109,10 +114,27 @@ def test_create_without_start_is_defined(manager: SandboxManager, hv: FakeHyperv
     assert not hv.domains["vmsbx-unit"].running
 
 
+def test_the_seed_step_carries_the_specs_guest_setup_and_the_domain_does_not(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    secret = "eyJhbGciOi.unit-secret"
+    setup = GuestSetup(
+        environment={"TEAM": "ml"},
+        files=(GuestFile("/etc/openshell/token", secret, mode="0600"),),
+    )
+    manager.create(replace(spec(), guest=setup), start=False)
+    seed = SandboxFiles.of(config, "unit").seed
+    user_data = json.loads(read_iso(seed, "user-data").split("\n", 1)[1])
+    written = {item["path"]: item for item in user_data["write_files"]}
+    assert written["/etc/openshell/token"]["content"] == secret
+    assert any("TEAM=ml" in item["content"] for item in written.values())
+    assert secret not in hv.domains["vmsbx-unit"].xml
+
+
 def test_the_record_is_typed_and_versioned(manager: SandboxManager, hv: FakeHypervisor) -> None:
     manager.create(spec(), wait=False)
     data = hv.domains["vmsbx-unit"].data
-    assert data is not None and data["version"] == 3
+    assert data is not None and data["version"] == SCHEMA_VERSION
     record = SandboxRecord.from_dict(data)
     assert record.creator == ProcessIdentity.current()
     assert record.to_dict() == data
@@ -245,7 +267,7 @@ def test_reconcile_removes_a_create_whose_process_died(
     assert dom.data is not None
     dom.data["creator"] = {"pid": 1, "start": "0", "boot": "another boot"}
     dom.state = "creating"
-    assert manager.reconcile() == {"removed": ["unit"], "problems": []}
+    assert manager.reconcile() == {"removed": ["unit"], "problems": [], "fabric_partitions": []}
     assert left(config, hv) == []
 
 
@@ -296,12 +318,12 @@ def test_a_failed_guest_verification_removes_the_sandbox_unless_kept(
         virt_type="qemu",
         progress=lambda _line: None,
         exists=lambda _name: True,
-        choose_gpus=list,
+        allocate=lambda: None,
         free_port=lambda: 0,
         host_cpus=dict,
     )
     with pytest.raises(GuestVerificationFailed, match=r"0000:41:00\.0 missing") as caught:
-        lifecycle.check_verification(creation, manager._locked, keep=keep)
+        lifecycle.check_verification(creation, manager.locked, keep=keep)
     assert caught.value.details["kept"] is keep
     assert bool(left(config, hv)) is keep
 
@@ -322,3 +344,194 @@ def test_a_newer_record_is_refused_here_and_skipped_from_another_state_dir(
         manager.list()
     with pytest.raises(FailedPrecondition, match="newer vmsandbox"):
         manager.get("unit")
+
+
+# -- Fabric Manager partitions (the fake fmpm of tests/fixtures/fmpm) -----------------------------
+
+FMPM = Path(__file__).resolve().parent / "fixtures" / "fmpm" / "fmpm"
+
+
+@pytest.fixture
+def fm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The fake FM's state folder; partitions 1 and 4 active."""
+    state = tmp_path / "fm"
+    state.mkdir()
+    (state / "active.json").write_text("[1, 4]")
+    monkeypatch.setenv("FAKE_FMPM_STATE", str(state))
+    return state
+
+
+def lease(config: Config, partition: int, sandbox: str) -> None:
+    """A ledger entry, as FabricLease.activate writes it."""
+    ledger = config.state_dir / "fabric"
+    ledger.mkdir(exist_ok=True)
+    (ledger / f"{partition}.json").write_text(json.dumps({"sandbox": sandbox}))
+
+
+def ledger(config: Config) -> list[str]:
+    return sorted(path.name for path in (config.state_dir / "fabric").glob("*.json"))
+
+
+def test_destroy_deactivates_the_partition_once_the_domain_is_gone(
+    config: Config, hv: FakeHypervisor, fm: Path
+) -> None:
+    config = replace(config, fmpm=str(FMPM))
+    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
+        mgr.create(spec(), wait=False)
+        lease(config, 4, "unit")
+        mgr.destroy("unit")
+    assert json.loads((fm / "active.json").read_text()) == [1]
+    assert (fm / "calls.log").read_text().splitlines() == ["-l", "-d 4"]
+    assert ledger(config) == [] and left(config, hv) == []
+
+
+def test_fm_down_at_destroy_keeps_the_lease_for_reconcile(
+    config: Config, hv: FakeHypervisor, fm: Path
+) -> None:
+    config = replace(config, fmpm=str(FMPM))
+    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
+        mgr.create(spec(), wait=False)
+        lease(config, 4, "unit")
+        (fm / "unreachable").touch()
+        with pytest.raises(FailedPrecondition, match="was not removed completely") as caught:
+            mgr.destroy("unit")
+        assert "Fabric Manager" in caught.value.message
+        assert left(config, hv) == [] and ledger(config) == ["4.json"]
+        report = mgr.reconcile()
+        assert report["fabric_partitions"] == [] and "cannot be reached" in report["problems"][0]
+        (fm / "unreachable").unlink()
+        assert mgr.reconcile() == {"removed": [], "problems": [], "fabric_partitions": ["4"]}
+    assert json.loads((fm / "active.json").read_text()) == [1] and ledger(config) == []
+
+
+def test_reconcile_releases_only_leases_whose_domain_is_gone(
+    config: Config, hv: FakeHypervisor, fm: Path
+) -> None:
+    config = replace(config, fmpm=str(FMPM))
+    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
+        mgr.create(spec(), wait=False)
+        lease(config, 1, "unit")  # its domain is there: kept
+        lease(config, 4, "killed-after-activation")
+        assert mgr.reconcile() == {"removed": [], "problems": [], "fabric_partitions": ["4"]}
+    assert json.loads((fm / "active.json").read_text()) == [1]
+    assert ledger(config) == ["1.json"]
+
+
+# -- stop, start, wait (power.py) -----------------------------------------------------------------
+
+
+def test_stop_presses_the_power_button_and_keeps_the_domain(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), wait=False)
+    assert manager.stop("unit", grace=5).state == "stopped"
+    assert ("shutdown", "vmsbx-unit") in hv.calls and ("stop", "vmsbx-unit") not in hv.calls
+    assert "vmsbx-unit" in hv.domains  # disk and GPUs (its hostdevs) are kept
+
+
+def test_stop_powers_off_a_guest_that_ignores_the_button(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), wait=False)
+    hv.domains["vmsbx-unit"].ignores_acpi = True
+    assert manager.stop("unit", grace=0.1).state == "stopped"
+    assert ("stop", "vmsbx-unit") in hv.calls
+
+
+def test_stop_grace_must_be_seconds_above_zero(manager: SandboxManager) -> None:
+    with pytest.raises(InvalidArgument, match="grace must be a finite number") as caught:
+        manager.stop("unit", grace=0)
+    assert caught.value.details == {"field": "grace", "value": "0"}
+
+
+def test_a_refused_start_leaves_the_sandbox_as_it_was(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), start=False)
+    before = dict(hv.domains["vmsbx-unit"].data or {})
+    hv.before["start"] = refuse("starting sandbox 'unit': libvirt refused: no PCI device")
+    with pytest.raises(FailedPrecondition, match="no PCI device"):
+        manager.start("unit")
+    assert hv.domains["vmsbx-unit"].state == "defined"
+    assert hv.domains["vmsbx-unit"].data == before
+
+
+def test_a_refused_start_whose_restore_fails_keeps_the_starts_error(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), start=False)
+    hv.before["start"] = refuse("starting sandbox 'unit': libvirt refused: no PCI device")
+
+    def restore_fails(_domain: str) -> None:
+        if ("start", "vmsbx-unit") in hv.calls:
+            raise Unavailable("updating the metadata: libvirt is unavailable")
+
+    hv.before["set_metadata"] = restore_fails
+    with pytest.raises(FailedPrecondition, match="no PCI device") as caught:
+        manager.start("unit")
+    assert caught.value.__notes__ == [
+        "restoring the state of sandbox 'unit' failed: "
+        "updating the metadata: libvirt is unavailable"
+    ]
+
+
+def test_a_start_in_flight_shows_starting_while_its_starter_lives(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), start=False)
+    assert manager.start("unit", wait=False).state == "starting"
+    record = SandboxRecord.from_dict(hv.domains["vmsbx-unit"].data or {})
+    assert record.starter == ProcessIdentity.current()
+    hv.domains["vmsbx-unit"].running = False
+    assert manager.get("unit").state == "starting"  # its starter (this process) lives
+    gone = replace(record, starter=ProcessIdentity(pid=1, start=None, boot="another boot"))
+    hv.domains["vmsbx-unit"].data = gone.to_dict()
+    assert manager.get("unit").state == "stopped"
+
+
+def test_start_of_a_running_or_creating_sandbox(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), wait=False)
+    hv.calls.clear()
+    assert manager.start("unit").state == "started"  # running: returned as it is
+    assert ("start", "vmsbx-unit") not in hv.calls
+    hv.domains["vmsbx-unit"].state = "creating"
+    hv.domains["vmsbx-unit"].running = False
+    with pytest.raises(FailedPrecondition, match="still being created"):
+        manager.start("unit")
+
+
+def test_a_guest_that_does_not_come_up_is_stored_failed_with_why(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), start=False)
+    manager.start("unit", wait=False)
+    hv.domains["vmsbx-unit"].running = False
+    hv.domains["vmsbx-unit"].reason = "the guest powered itself off"
+    with pytest.raises(FailedPrecondition, match="stopped before SSH came up"):
+        manager.wait("unit", timeout=30)
+    assert hv.domains["vmsbx-unit"].state == "failed"
+    failure = SandboxRecord.from_dict(hv.domains["vmsbx-unit"].data or {}).failure
+    assert failure is not None and failure["code"] == "FAILED_PRECONDITION"
+    assert "the guest powered itself off" in failure["message"]
+    assert manager.get("unit").failure == failure
+
+
+def test_stop_and_start_name_a_missing_sandbox(manager: SandboxManager) -> None:
+    for call in (manager.stop, manager.start):
+        with pytest.raises(NotFound, match="sandbox 'ghost' does not exist"):
+            call("ghost")
+
+
+def test_a_version_2_record_reads_without_failure_or_starter(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    manager.create(spec(), wait=False)
+    old = {
+        k: v
+        for k, v in (hv.domains["vmsbx-unit"].data or {}).items()
+        if k not in ("failure", "starter")
+    }
+    record = SandboxRecord.from_dict({**old, "version": 2})
+    assert (record.failure, record.starter, record.version) == (None, None, SCHEMA_VERSION)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fake_hypervisor import FakeHypervisor
 
-from vmsandbox import lifecycle
+from vmsandbox import lifecycle, warmpool
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, VmSandboxError
 from vmsandbox.manager import SandboxManager
@@ -64,10 +64,10 @@ def pooled_guest(manager: SandboxManager) -> str:
     shape = manager.config.pool[0]
     spec = shape.spec()
     assert spec.name is not None
-    creation = manager._creation(spec, spec.name, manager.images.get("tiny"), print)
+    creation = manager.pool.creation(spec, spec.name, manager.images.get("tiny"), print)
     creation.wait = False
     creation.room = lambda: True
-    lifecycle.run(lifecycle.FILL_STEPS, creation, manager._locked, manager.checkpoint)
+    lifecycle.run(warmpool.FILL_STEPS, creation, manager.locked, manager.checkpoint)
     return spec.name
 
 
@@ -130,7 +130,7 @@ def test_a_pooled_guest_is_the_pools_not_a_sandbox(
     guest = pooled_guest(manager)
     assert hv.domains[f"vmsbx-{guest}"].state == "pooled"
     assert manager.list() == []
-    (shape,) = manager.pool()
+    (shape,) = manager.pool.show()
     assert shape["ready"] == 1 and shape["guests"] == [{"name": guest, "state": "pooled"}]
 
 
@@ -178,7 +178,7 @@ def test_a_claimed_guest_is_found_by_its_sandbox_name(
     dom.state = "ready"
     sandbox = manager.get("hit")
     assert sandbox.domain == f"vmsbx-{guest}" and sandbox.key_file.parent.name == guest
-    assert [s.name for s in manager.list()] == ["hit"] and manager.pool()[0]["guests"] == []
+    assert [s.name for s in manager.list()] == ["hit"] and manager.pool.show()[0]["guests"] == []
     manager.destroy("hit")
     assert everything(config, hv) == []
 
@@ -201,7 +201,7 @@ def test_drain_removes_every_unclaimed_guest(
     manager: SandboxManager, config: Config, hv: FakeHypervisor
 ) -> None:
     guests = sorted([pooled_guest(manager), pooled_guest(manager)])
-    assert sorted(manager.drain_pool()) == guests
+    assert sorted(manager.pool.drain()) == guests
     assert everything(config, hv) == []
 
 
@@ -231,5 +231,5 @@ def test_a_fill_replaces_guests_of_an_older_image_build(
 
     manager.checkpoint = stop_at_define
     with pytest.raises(Stop):
-        manager.fill_pool()
+        manager.pool.fill()
     assert everything(config, hv) == []  # the old guest removed, the new one undone

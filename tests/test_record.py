@@ -61,3 +61,17 @@ def test_a_minimal_old_record_gets_the_defaults() -> None:
 def test_a_record_of_a_newer_vmsandbox_is_refused() -> None:
     with pytest.raises(FailedPrecondition, match="newer vmsandbox"):
         SandboxRecord.from_dict({**VERSION_1, "version": SCHEMA_VERSION + 1})
+
+
+def test_the_fabric_fields_round_trip_and_old_records_hold_none() -> None:
+    old = SandboxRecord.from_dict(VERSION_1)
+    assert old.fabric_partition is None and old.switches == () and not old.on_fabric
+    pair = {**VERSION_1, "gpus": VERSION_1["gpus"] * 2}
+    shared = SandboxRecord.from_dict({**pair, "version": SCHEMA_VERSION, "fabric_partition": 3})
+    assert shared.fabric_partition == 3 and shared.on_fabric
+    assert SandboxRecord.from_dict(shared.to_dict()) == shared
+    single = SandboxRecord.from_dict({**VERSION_1, "fabric_partition": 7})
+    assert not single.on_fabric  # one GPU: no NVLink to check
+    board = SandboxRecord.from_dict({**VERSION_1, "switches": ["0000:07:00.0", "0000:08:00.0"]})
+    assert board.switches == ("0000:07:00.0", "0000:08:00.0") and board.on_fabric
+    assert board.to_dict()["switches"] == ["0000:07:00.0", "0000:08:00.0"]

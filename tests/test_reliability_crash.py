@@ -149,8 +149,8 @@ def force_remove(config: Config, name: str) -> None:
     """Test cleanup of one of our own sandboxes, whatever state it was left in."""
     with SandboxManager(config, reconcile=False) as manager:
         lifecycle.teardown(
-            lifecycle.Remains(manager.hypervisor, name, SandboxFiles.of(config, name)),
-            manager._locked,
+            lifecycle.Remains(manager.hypervisor, config, name, SandboxFiles.of(config, name)),
+            manager.locked,
         )
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from vmsandbox import verify
 from vmsandbox.errors import GuestVerificationFailed, Unavailable
+from vmsandbox.fabric import nvlink
 from vmsandbox.guest import ExecResult
 from vmsandbox.verify import ExpectedGpu
 
@@ -25,7 +26,11 @@ CHECK_OF = {
     verify.NVIDIA_SMI: "nvidia-smi",
     verify.KERNEL_LOG: "kernel-log",
     verify.COMPUTE: "compute",
+    nvlink.CUDA_INIT: "cuda-init",
+    nvlink.NVLINK_STATUS: "nvlink",
+    nvlink.TOPOLOGY: "topology",
 }
+FABRIC = FIXTURES / "fabric"
 # The HGX H100 host of tests/fixtures/hosts/hgx_h100.umockdev, in allocation (hostdev) order.
 HGX_BDFS = [
     "0000:18:00.0",
@@ -775,3 +780,83 @@ def test_smoke_program_without_libcuda(tmp_path: Path) -> None:
     done = run_smoke(tmp_path)
     assert done.returncode == 1
     assert done.stdout.startswith("FAIL - cannot load the CUDA driver library libcuda.so.1: ")
+
+
+# -- the NVLink fabric of NVSwitch guests (verify(..., fabric=True)) ----------------------------
+
+
+def eight_gpu_nvlink_status() -> str:
+    """``nvidia-smi nvlink --status`` of eight GPUs with every link up: the posted A100 text
+    (tests/fixtures/guest/fabric, cut by its poster after two GPUs) repeated for GPUs 0 to 7."""
+    pair = (FABRIC / "a100x2_nvlink_status.out").read_text()
+    first = pair[: pair.index("GPU 1:")]
+    return "".join(first.replace("GPU 0:", f"GPU {index}:", 1) for index in range(8))
+
+
+def test_fabric_check_passes_eight_gpus_all_on_nvlink() -> None:
+    guest = FakeGuest.scenario(
+        "hgx_h100x8",
+        **{
+            "cuda-init": "cuInit 0\n",
+            "nvlink": eight_gpu_nvlink_status(),
+            "topology": (FABRIC / "h100x8_topo.out").read_text(),
+        },
+    )
+    report = verify.verify(guest, HGX, fabric=True)
+    assert report.ok, report.problems
+    assert guest.checks_run[-3:] == ["cuda-init", "nvlink", "topology"]
+    assert report.check("fabric") == verify.CheckResult(
+        "fabric",
+        "passed",
+        "cuda-init: cuInit succeeded; nvlink: 8 GPUs, 12 active links each; "
+        "topology: every GPU pair over NVLink (NV18)",
+    )
+
+
+def test_fabric_not_initialised_and_pcie_pairs_fail_with_the_fix() -> None:
+    guest = FakeGuest.scenario(
+        "hgx_h100x8",
+        **{
+            "cuda-init": (1, "", (FABRIC / "cuda802_pytorch_h200.out").read_text()),
+            "nvlink": (FABRIC / "a100x2_nvlink_status.out").read_text(),
+            "topology": (FABRIC / "rtx4090x8_sys_topo.out").read_text(),
+        },
+    )
+    report = verify.verify(guest, HGX, fabric=True)
+    assert not report.ok
+    assert report.check("fabric").status == "failed"
+    fabric = [problem for problem in report.problems if problem.startswith("fabric: ")]
+    assert fabric[0] == "fabric: cuda-init: " + nvlink.FABRIC_NOT_INITIALISED
+    assert "activated this sandbox's partition (fmpm -l)" in fabric[0]
+    assert fabric[1] == "fabric: nvlink: it lists 2 GPUs, 8 expected"
+    assert fabric[2].startswith("fabric: topology: pairs not connected by NVLink: GPU0-GPU1 SYS")
+    with pytest.raises(GuestVerificationFailed, match="fabric not initialised"):
+        verify.raise_if_failed(report)
+
+
+def test_inactive_links_fail_the_fabric_check() -> None:
+    v100 = (FABRIC / "v100_inactive_nvlink_status.out").read_text()
+    guest = FakeGuest.scenario(
+        "hgx_h100x8",
+        **{
+            "cuda-init": "cuInit 0\n",
+            "nvlink": v100,
+            "topology": (FABRIC / "h100x8_topo.out").read_text(),
+        },
+    )
+    report = verify.verify(guest, HGX, fabric=True)
+    assert report.check("fabric").detail == (
+        "nvlink: it lists 1 GPUs, 8 expected; GPU 3 links 3, 5 are inactive"
+    )
+
+
+def test_fabric_is_skipped_without_the_driver_and_never_run_unasked() -> None:
+    driverless = FakeGuest.scenario("hgx_h100x8", probe="nvidia-smi: no\n")
+    report = verify.verify(driverless, HGX, fabric=True)
+    assert driverless.checks_run == ["lspci", "probe"]
+    assert report.check("fabric") == verify.CheckResult(
+        "fabric", "skipped", "image has no NVIDIA driver"
+    )
+    plain = FakeGuest.scenario("hgx_h100x8")
+    assert verify.verify(plain, HGX).check("fabric") is None
+    assert not {"cuda-init", "nvlink", "topology"} & set(plain.checks_run)

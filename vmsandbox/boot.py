@@ -19,7 +19,7 @@ from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgume
 from vmsandbox.hypervisor import Hypervisor
 from vmsandbox.keys import SandboxKeys
 from vmsandbox.progress import Progress
-from vmsandbox.record import SandboxFiles
+from vmsandbox.record import SandboxFiles, SshRecord
 
 # Guest boot time beyond ``base`` once GPUs are passed (see ``boot_timeout``).
 PIN_SECONDS_PER_GIB = 0.5
@@ -32,9 +32,9 @@ NO_CLOUD_INIT = (
 )
 
 
-def check_timeout(timeout: float | None) -> None:
-    """A timeout is None (the default) or a finite number of seconds above 0 (NaN never
-    expires: every comparison with it is false)."""
+def check_timeout(timeout: float | None, field: str = "timeout") -> None:
+    """A timeout (or ``field``, another span such as stop's grace) is None (the default) or a
+    finite number of seconds above 0 (NaN never expires: every comparison with it is false)."""
     if timeout is None:
         return
     if (
@@ -44,8 +44,8 @@ def check_timeout(timeout: float | None) -> None:
         or timeout <= 0
     ):
         raise InvalidArgument(
-            f"timeout must be a finite number of seconds above 0, got {timeout!r}",
-            details={"field": "timeout", "value": repr(timeout)},
+            f"{field} must be a finite number of seconds above 0, got {timeout!r}",
+            details={"field": field, "value": repr(timeout)},
         )
 
 
@@ -126,6 +126,19 @@ def lease_endpoint(
             return guest.Endpoint(address, 22, user)
         time.sleep(LEASE_POLL_S)
     raise DeadlineExceeded(f"domain {domain!r} got no DHCP lease within {timeout:.0f}s")
+
+
+def endpoint(watch: BootWatch, ssh: SshRecord, *, timeout: float) -> guest.Endpoint:
+    """Where the booting guest's sshd is: its forwarded loopback port, or (libvirt network) its
+    DHCP address once it has a lease."""
+    if ssh.port is not None:
+        return guest.Endpoint(ssh.host, ssh.port, ssh.user)
+    try:
+        return lease_endpoint(
+            watch.hypervisor, watch.domain, ssh.user, timeout=timeout, check=watch.check
+        )
+    except DeadlineExceeded as exc:
+        raise watch.timed_out(exc) from exc
 
 
 def wait_for_ssh(

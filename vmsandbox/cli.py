@@ -12,14 +12,19 @@ half-made sandboxes: reading commands never delete anything.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vmsandbox.cli_args import build_parser
+from vmsandbox.cli_args import build_parser, glue_negative_values
 from vmsandbox.errors import InvalidArgument, VmSandboxError
+
+if TYPE_CHECKING:  # imported inside the commands that need them, so --help starts fast
+    from vmsandbox.config import Config
+    from vmsandbox.images import ImageStore
 
 EXIT_CODES = {
     "INTERNAL": 1,
@@ -65,6 +70,7 @@ class JsonOutput(Output):
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     ours, guest_argv = _split_guest_command(args_list)
+    ours = glue_negative_values(ours)
     # Until the arguments parse, --json anywhere in ours chooses how their error is shown.
     out: Output = JsonOutput() if "--json" in ours else Output()
     try:
@@ -234,6 +240,28 @@ def _cmd_destroy(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+def _cmd_stop(args: argparse.Namespace, out: Output) -> int:
+    with _manager() as manager:
+        data = manager.stop(args.name, grace=args.grace).to_dict()
+    out.result(data, f"stopped {args.name}")
+    return 0
+
+
+def _cmd_start(args: argparse.Namespace, out: Output) -> int:
+    with _manager(progress=not args.json) as manager:
+        data = manager.start(
+            args.name, wait=not args.no_wait, verify=not args.no_verify, timeout=args.timeout
+        ).to_dict()
+    out.result(data, f"started {args.name} ({data['state']})")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace, _out: Output) -> int:
+    from vmsandbox.openshell.server import serve
+
+    return serve(args.openshell_socket)
+
+
 def _cmd_verify(args: argparse.Namespace, out: Output) -> int:
     with _manager() as manager:
         report = manager.verify(args.name)
@@ -266,6 +294,7 @@ def _cmd_reconcile(_args: argparse.Namespace, out: Output) -> int:
         report = manager.reconcile()
     text = "\n".join(
         [f"removed {name}" for name in report["removed"]]
+        + [f"released fabric partition {p}" for p in report["fabric_partitions"]]
         + [f"could not fix: {p}" for p in report["problems"]]
     )
     out.result(report, text or "nothing to reconcile")
@@ -277,15 +306,15 @@ def _cmd_pool(args: argparse.Namespace, out: Output) -> int:
     ``pool drain`` removes the guests not claimed yet."""
     with _manager(progress=args.pool_command == "fill", reconcile=True) as manager:
         if args.pool_command == "fill":
-            made = manager.fill_pool()
+            made = manager.pool.fill()
             out.result({"made": made}, "\n".join(f"made {name}" for name in made) or "full")
             return 0
         if args.pool_command == "drain":
-            removed = manager.drain_pool()
+            removed = manager.pool.drain()
             text = "\n".join(f"removed {name}" for name in removed) or "the pool was empty"
             out.result({"removed": removed}, text)
             return 0
-        shapes = manager.pool()
+        shapes = manager.pool.show()
     rows = [
         (
             s["key"],
@@ -308,12 +337,20 @@ def _cmd_images(args: argparse.Namespace, out: Output) -> int:
     from vmsandbox.images import ImageStore
     from vmsandbox.progress import StderrProgress
 
-    store = ImageStore(Config.load().images)
+    config = Config.load()
+    store = ImageStore(config.images)
+    if args.images_command in ("rm", "prune"):
+        return _images_remove(args, config, store, out)
     if args.images_command == "build":
         image = store.build(args.recipe, force=args.force, progress=StderrProgress())
         out.result(image.to_dict(), f"built {image.name} ({image.id}) at {image.disk}")
     elif args.images_command == "import":
-        image = store.import_image(Path(args.path), args.name, progress=StderrProgress())
+        image = store.import_image(
+            Path(args.path),
+            args.name,
+            max_disk_gib=config.max_disk_gib,
+            progress=StderrProgress(),
+        )
         out.result(image.to_dict(), f"imported {image.name} ({image.id}) at {image.disk}")
     else:
         images = [image.to_dict() for image in store.list()]
@@ -331,6 +368,31 @@ def _cmd_images(args: argparse.Namespace, out: Output) -> int:
         table = _table(("NAME", "ID", "KIND", "KERNEL", "SIZE", "BUILT"), rows)
         out.result({"images": images}, table if rows else "no images built")
     return 0
+
+
+def _images_remove(args: argparse.Namespace, config: Config, store: ImageStore, out: Output) -> int:
+    """``images rm NAME`` and ``images prune``: what was removed and the disk space freed."""
+    from vmsandbox.hypervisor import open_connection
+    from vmsandbox.image_users import image_users
+
+    conn = open_connection(config.uri)
+    try:
+        users = functools.partial(image_users, conn, store)
+        if args.images_command == "rm":
+            removed = store.remove(args.name, users)
+        else:
+            removed = store.prune(users)
+    finally:
+        conn.close()
+    freed = sum(build.bytes for build in removed)
+    lines = [f"removed {b.name} {b.id} ({_mib(b.bytes)})" for b in removed]
+    text = "\n".join([*lines, f"freed {_mib(freed)}"]) if removed else "nothing to remove"
+    out.result({"removed": [build.to_dict() for build in removed], "freed_bytes": freed}, text)
+    return 0
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def _describe(data: dict[str, Any]) -> str:
@@ -366,6 +428,9 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "exec": _cmd_exec,
     "ssh": _cmd_ssh,
     "destroy": _cmd_destroy,
+    "stop": _cmd_stop,
+    "start": _cmd_start,
+    "serve": _cmd_serve,
     "reconcile": _cmd_reconcile,
     "gpus": _cmd_gpus,
     "verify": _cmd_verify,

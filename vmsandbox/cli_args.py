@@ -8,7 +8,9 @@ after the command's name.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import re
 from typing import NoReturn
 
 from vmsandbox.errors import InvalidArgument
@@ -55,9 +57,12 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> int:
+def _positive(text: str, *, field: str) -> int:
     if not text.isascii() or not text.isdigit() or int(text) < 1:
-        raise InvalidArgument(f"{text!r} is not a positive integer")
+        raise InvalidArgument(
+            f"{field} {text!r} is not a whole number of at least 1",
+            details={"field": field, "value": text},
+        )
     return int(text)
 
 
@@ -80,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     create = sub.add_parser("create", parents=common, help="create and boot a sandbox")
     create.add_argument("name", nargs="?", help="sandbox name (generated when omitted)")
     create.add_argument("--image", default="minimal", help="base image (default: minimal)")
-    create.add_argument("--cpus", type=_positive, default=1)
+    create.add_argument("--cpus", type=functools.partial(_positive, field="--cpus"), default=1)
     create.add_argument("--memory", type=_size_mib, default=1024, help="e.g. 2048, 2G (MiB)")
     create.add_argument("--disk", type=_size_gib, default=4, help="e.g. 10, 10G (GiB)")
     create.add_argument("--virt-type", choices=("auto", "kvm", "qemu"), default="auto")
@@ -106,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gpu = create.add_argument_group("GPUs (OpenShell driver flags)")
     gpu.add_argument("--gpu", nargs="?", const="1", metavar="N", help="one free GPU, or N")
-    gpu.add_argument("--gpu-count", type=_positive, metavar="N", help="exactly N GPUs")
+    gpu.add_argument(
+        "--gpu-count",
+        type=functools.partial(_positive, field="--gpu-count"),
+        metavar="N",
+        help="exactly N GPUs",
+    )
     gpu.add_argument(
         "--gpu-device",
         action="append",
@@ -141,6 +151,27 @@ def build_parser() -> argparse.ArgumentParser:
     destroy = sub.add_parser("destroy", parents=common, help="stop and remove sandboxes")
     destroy.add_argument("names", nargs="+")
 
+    stop = sub.add_parser("stop", parents=common, help="shut a sandbox down, disk and GPUs kept")
+    stop.add_argument("name")
+    stop.add_argument(
+        "--grace", type=_seconds, default=60.0, help="seconds before power-off (default 60)"
+    )
+    start = sub.add_parser("start", parents=common, help="start a stopped sandbox")
+    start.add_argument("name")
+    start.add_argument("--no-wait", action="store_true", help="return once the domain runs")
+    start.add_argument("--no-verify", action="store_true", help="skip the in-guest GPU check")
+    start.add_argument("--timeout", type=_seconds)
+
+    serve = sub.add_parser(
+        "serve", parents=common, help="serve the OpenShell compute-driver API (foreground)"
+    )
+    serve.add_argument(
+        "--openshell-socket",
+        metavar="PATH",
+        required=True,
+        help="Unix socket the OpenShell gateway dials (its folder is made 0700)",
+    )
+
     verify = sub.add_parser(
         "verify", parents=common, help="re-check a sandbox's GPUs from inside the guest"
     )
@@ -168,4 +199,27 @@ def build_parser() -> argparse.ArgumentParser:
     imp = images_sub.add_parser("import", parents=common, help="import a qcow2 or raw disk image")
     imp.add_argument("path")
     imp.add_argument("name")
+    rm = images_sub.add_parser(
+        "rm", parents=common, help="remove an image, all its builds (none may be in use)"
+    )
+    rm.add_argument("name")
+    images_sub.add_parser(
+        "prune", parents=common, help="remove builds that are not current and that no sandbox uses"
+    )
     return parser
+
+
+# Options whose value may be typed negative: argparse would take "-1G" for an option and answer
+# "expected one argument"; glued as "--memory=-1G", the value reaches its check and is named.
+_NUMBER_OPTIONS = ("--memory", "--disk", "--cpus", "--timeout", "--gpu-count", "--gpu-memory")
+
+
+def glue_negative_values(args_list: list[str]) -> list[str]:
+    """``--memory -1G`` as ``--memory=-1G``, so a negative size is named by its own check."""
+    glued: list[str] = []
+    for arg in args_list:
+        if glued and glued[-1] in _NUMBER_OPTIONS and re.match(r"-[0-9.]", arg):
+            glued[-1] = f"{glued[-1]}={arg}"
+        else:
+            glued.append(arg)
+    return glued

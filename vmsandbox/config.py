@@ -2,8 +2,9 @@
 
 File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Environment variables
 override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
-``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``, and for NVSwitch
-boards ``VMSANDBOX_FMPM``, ``VMSANDBOX_FM_UNIX_SOCKET``, ``VMSANDBOX_FM_HOSTNAME``,
+``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
+``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS`` (comma-separated), and for
+NVSwitch boards ``VMSANDBOX_FMPM``, ``VMSANDBOX_FM_UNIX_SOCKET``, ``VMSANDBOX_FM_HOSTNAME``,
 ``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``, ``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from vmsandbox import virt
 from vmsandbox.errors import InvalidArgument
 from vmsandbox.pool import PoolShape, parse_table
 
@@ -27,12 +29,14 @@ _ENV = {
     "virt_type": "VMSANDBOX_VIRT_TYPE",
     "network": "VMSANDBOX_NETWORK",
     "boot_timeout": "VMSANDBOX_BOOT_TIMEOUT",
+    "openshell_allowed_uids": "VMSANDBOX_OPENSHELL_ALLOWED_UIDS",
     "fmpm": "VMSANDBOX_FMPM",
     "fm_unix_socket": "VMSANDBOX_FM_UNIX_SOCKET",
     "fm_hostname": "VMSANDBOX_FM_HOSTNAME",
     "fabric_manager": "VMSANDBOX_FABRIC_MANAGER",
     "fm_version": "VMSANDBOX_FM_VERSION",
     "fabric_manager_config": "VMSANDBOX_FABRIC_MANAGER_CONFIG",
+    "probe_qemu": "VMSANDBOX_PROBE_QEMU",
 }
 _PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config")
 
@@ -45,6 +49,8 @@ class Config:
     state_dir: Path = Path("/var/lib/vmsandbox")
     image_dir: Path | None = None  # default: <state_dir>/images
     virt_type: str = "auto"  # "auto" | "kvm" | "qemu"
+    # The QEMU that ``auto`` boots to see whether KVM runs guests (vmsandbox/virt.py).
+    probe_qemu: str = virt.QEMU
     # "user": QEMU user-mode network, guest port 22 forwarded to 127.0.0.1:<free port>.
     # Any other value names a libvirt network; the guest address comes from its DHCP lease.
     network: str = "user"
@@ -60,6 +66,15 @@ class Config:
     numa_pinning: bool = True
     ovmf_code: Path = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
     ovmf_vars: Path = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+    # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver socket.
+    openshell_allowed_uids: tuple[int, ...] = ()
+    # The OpenShell supervisor (openshell-sandbox binary) every driver-made sandbox runs, the
+    # gateway endpoint it dials (on this host's loopback) and, for https, the TLS files it gets.
+    openshell_supervisor: str = ""
+    openshell_gateway_endpoint: str = ""
+    openshell_tls_ca: str = ""
+    openshell_tls_cert: str = ""
+    openshell_tls_key: str = ""
     # NVSwitch boards (vmsandbox.fabric). Fabric Manager's config, read for FABRIC_MODE:
     fabric_manager_config: Path = Path("/usr/share/nvidia/nvswitch/fabricmanager.cfg")
     # fmpm (NVIDIA/Fabric-Manager-Client): a path, or a name looked up on PATH; and the FM
@@ -111,6 +126,15 @@ class Config:
         return _coerce(cls(), values, file)
 
 
+def _uids(raw: Any) -> tuple[int, ...]:
+    """A list of uids: a TOML list of integers, or a comma-separated string (environment)."""
+    items = raw if isinstance(raw, list) else [part for part in str(raw).split(",") if part]
+    uids = tuple(int(item) for item in items)
+    if any(uid < 0 for uid in uids):
+        raise ValueError(f"uids are not negative, got {list(uids)}")
+    return uids
+
+
 def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
     known = {f.name: f for f in fields(Config)}
     changes: dict[str, Any] = {}
@@ -125,7 +149,9 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
             if key == "pool":
                 changes[key] = parse_table(raw)
                 continue
-            if isinstance(default, bool):
+            if isinstance(default, tuple):
+                value = _uids(raw)
+            elif isinstance(default, bool):
                 value: Any = (
                     raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
                 )

@@ -89,12 +89,14 @@ class Stored:
 
 
 class Hypervisor(Protocol):
-    """What the manager asks of a hypervisor. Every method names the domain; ``stop`` and
-    ``undefine`` succeed when there is nothing to do."""
+    """What the manager asks of a hypervisor. Every method names the domain; ``stop``,
+    ``shutdown`` (the guest's ACPI power button) and ``undefine`` succeed when there is nothing
+    to do."""
 
     def define(self, xml: str) -> None: ...
     def start(self, domain: str) -> None: ...
     def stop(self, domain: str) -> None: ...
+    def shutdown(self, domain: str) -> None: ...
     def undefine(self, domain: str) -> None: ...
     def running(self, domain: str) -> bool: ...
     def stop_reason(self, domain: str) -> str: ...
@@ -161,6 +163,17 @@ class LibvirtHypervisor:
                 libvirt.VIR_ERR_OPERATION_INVALID,  # not running
             ):
                 raise translate(exc, f"stopping {_what(domain)}") from exc
+
+    def shutdown(self, domain: str) -> None:
+        """Press the guest's power button (ACPI); it powers itself off, or ignores it."""
+        try:
+            self.conn.lookupByName(domain).shutdown()
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() not in (
+                libvirt.VIR_ERR_NO_DOMAIN,
+                libvirt.VIR_ERR_OPERATION_INVALID,  # not running
+            ):
+                raise translate(exc, f"shutting down {_what(domain)}") from exc
 
     def undefine(self, domain: str) -> None:
         try:

@@ -1,4 +1,4 @@
-"""Guest base images: build from recipes under ``images/``, import, list, resolve.
+"""Guest base images: build from recipes under ``images/``, import, list, resolve, remove.
 
 Layout under the image directory (one folder per image name, one per build)::
 
@@ -26,12 +26,13 @@ import shlex
 import shutil
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vmsandbox.apt_sources import mirror_lines
+from vmsandbox.config import Config
 from vmsandbox.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -39,6 +40,7 @@ from vmsandbox.errors import (
     ResourceExhausted,
 )
 from vmsandbox.fabric.version import image_driver_version
+from vmsandbox.image_check import check_import
 from vmsandbox.progress import Progress, silent
 from vmsandbox.resources import RECIPES
 from vmsandbox.spec import validate_image_name
@@ -48,6 +50,8 @@ RECIPE_DIR = RECIPES
 # Bump when the build steps below change what a recipe produces.
 BUILDER_VERSION = "1"
 KERNEL_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 biosdevname=0"
+# Which sandboxes use which build folder, read when asked (image_users.image_users).
+Users = Callable[[], Mapping[Path, Sequence[str]]]
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,76 @@ class ImageStore:
         path = meta_file.parent.resolve()
         return BaseImage(name=name, id=path.name, path=path, meta=meta)
 
+    def names(self) -> list[str]:
+        """Every image name with a folder in the store, built or not."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            entry.name
+            for entry in self.root.iterdir()
+            if entry.is_dir() and not entry.is_symlink() and not entry.name.startswith(".")
+        )
+
+    def builds(self, name: str) -> list[BaseImage]:
+        """Every finished build of ``name``, current or not (a build without readable
+        metadata is listed with empty metadata, so that prune can clear it away)."""
+        folder = self.root / name
+        found = []
+        for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+            if entry.is_symlink() or not entry.is_dir() or entry.name.startswith("."):
+                continue
+            try:
+                meta = json.loads((entry / "meta.json").read_text())
+            except (OSError, ValueError):
+                meta = {}
+            found.append(BaseImage(name=name, id=entry.name, path=entry.resolve(), meta=meta))
+        return found
+
+    def remove(self, name: str, users: Users) -> list[Removed]:
+        """Remove image ``name``, every build of it; refused while a sandbox's disk backs onto
+        any of them. ``users()``, asked under the image lock: build folder -> sandboxes
+        (image_users.image_users)."""
+        validate_image_name(name)
+        if not (self.root / name).is_dir():
+            raise NotFound(
+                f"image {name!r} is not in {self.root} (images: "
+                f"{', '.join(self.names()) or 'none'})",
+                details={"field": "name", "value": name},
+            )
+        with self._writing(name), self._image_lock(name):
+            builds = self.builds(name)
+            used = users()
+            using = sorted({who for build in builds for who in used.get(build.path, ())})
+            if using:
+                raise FailedPrecondition(
+                    f"image {name!r} is in use by {len(using)} sandbox(es): {', '.join(using)}; "
+                    "destroy them first",
+                    details={"image": name, "sandboxes": using},
+                )
+            removed = [_delete(build.path, name) for build in builds]
+            removed += [_delete(path, name) for path in self._partial_builds(name)]
+            shutil.rmtree(self.root / name)
+        return removed
+
+    def prune(self, users: Users) -> list[Removed]:
+        """Remove every build that is not the current one of its image and that no sandbox's
+        disk backs onto, and the folders of builds that were killed half-way."""
+        removed: list[Removed] = []
+        for name in self.names():
+            with self._writing(name), self._image_lock(name):
+                current = self.root / name / "current"
+                keep = os.readlink(current) if current.is_symlink() else None
+                old = [build for build in self.builds(name) if build.id != keep]
+                used = users() if old else {}
+                removed += [_delete(b.path, name) for b in old if not used.get(b.path)]
+                removed += [_delete(path, name) for path in self._partial_builds(name)]
+        return removed
+
+    def _partial_builds(self, name: str) -> list[Path]:
+        """Build folders of a build or import that was killed: under the image lock no build
+        of ``name`` is running, so every one of them is dead."""
+        return sorted((self.root / name).glob(".build-*"))
+
     def is_current(self, name: str, build_id: str) -> bool:
         """Whether ``current`` is a build of ``build_id`` (the first one or a forced rebuild)."""
         current = self.root / name / "current"
@@ -174,20 +248,22 @@ class ImageStore:
             _require_tools("mmdebstrap", "mkfs.ext4", "qemu-img")
             return self._publish(name, build_id, lambda tmp: _build_recipe(recipe, tmp, progress))
 
-    def import_image(self, source: Path, name: str, *, progress: Progress = silent) -> BaseImage:
-        """Copy a qcow2 or raw disk image in as ``name`` (booted by firmware, not by kernel)."""
+    def import_image(
+        self,
+        source: Path,
+        name: str,
+        *,
+        max_disk_gib: int = Config.max_disk_gib,
+        progress: Progress = silent,
+    ) -> BaseImage:
+        """Copy a qcow2 or raw disk image in as ``name`` (booted by firmware, not by kernel).
+
+        What no sandbox could boot is refused before anything is written (image_check.py).
+        """
         validate_image_name(name)
         if not source.is_file():
             raise InvalidArgument(f"image file {str(source)!r} does not exist or is not a file")
-        info = _qemu_img_info(source)
-        if info.get("format") not in ("qcow2", "raw"):
-            raise InvalidArgument(
-                f"image file {str(source)!r} has format {info.get('format')!r}; allowed: qcow2, raw"
-            )
-        if info.get("backing-filename"):
-            raise InvalidArgument(
-                f"image file {str(source)!r} has a backing file; flatten it first"
-            )
+        fmt = check_import(source, max_disk_gib=max_disk_gib)["format"]
         progress(f"hashing {source}")
         build_id = _file_hash(source)[:16]
         with self._writing(name), self._image_lock(name):
@@ -197,13 +273,18 @@ class ImageStore:
 
             def convert(tmp: Path) -> dict[str, Any]:
                 progress(f"converting {source} to qcow2")
+                disk = str(tmp / "disk.qcow2")
                 run_tool(
-                    ["qemu-img", "convert", "-O", "qcow2", str(source), str(tmp / "disk.qcow2")],
+                    ["qemu-img", "convert", "-f", fmt, "-O", "qcow2", str(source.absolute()), disk],
                     error=FailedPrecondition,  # the source was read fine: writing here failed
                 )
                 return {"kind": "import", "source": str(source)}
 
-            return self._publish(name, build_id, convert)
+            try:
+                return self._publish(name, build_id, convert)
+            except BaseException:
+                self._drop_if_empty(name)
+                raise
 
     def _publish(self, name: str, build_id: str, make: Any) -> BaseImage:
         folder = self.root / name
@@ -239,6 +320,12 @@ class ImageStore:
             raise
         return self.get(name)
 
+    def _drop_if_empty(self, name: str) -> None:
+        """After a failed first import of ``name``: leave no folder holding only its lock."""
+        folder = self.root / name
+        if not (folder / "current").is_symlink() and not self.builds(name):
+            shutil.rmtree(folder, ignore_errors=True)
+
     @contextlib.contextmanager
     def _writing(self, name: str) -> Iterator[None]:
         """A failed write in the image directory is the host's problem: FAILED_PRECONDITION
@@ -268,6 +355,28 @@ def _unused_build_id(folder: Path, build_id: str) -> str:
         number += 1
         candidate = f"{build_id}-{number}"
     return candidate
+
+
+@dataclass(frozen=True)
+class Removed:
+    """A build folder that remove or prune deleted, and the disk space that freed."""
+
+    name: str
+    id: str
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "id": self.id, "bytes": self.bytes}
+
+
+def _delete(folder: Path, name: str) -> Removed:
+    freed = 0
+    for dirpath, _dirs, files in os.walk(folder):
+        for file in files:
+            with contextlib.suppress(OSError):
+                freed += os.lstat(os.path.join(dirpath, file)).st_blocks * 512
+    shutil.rmtree(folder)
+    return Removed(name=name, id=folder.name, bytes=freed)
 
 
 def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, Any]:

@@ -4,17 +4,15 @@
 failing one included: it may have done half its work) run newest first. ``destroy`` and
 reconcile run every undo (``teardown``): undos are idempotent and work from what is stored
 (domain name, files, record), so a sandbox left half-made by a killed process is taken apart
-the same way. Adding a lifecycle step (say, activating a fabric
-partition before ``define``) is one ``Step`` in ``CREATE_STEPS``.
+the same way. On NVSwitch boards in shared NVSwitch mode the ``fabric`` step activates the
+sandbox's Fabric Manager partition right after its GPUs are chosen; its undo deactivates it, and
+runs after ``define``'s undo (newest first), so only once the domain holding the GPUs is gone.
 
 Steps marked ``locked`` run under the host lock (names, ports and GPUs are chosen there, and the
 domain is defined before the lock is let go); their undos run under it too.
 
-The warm pool (pool.py) has two paths of its own: ``FILL_STEPS`` make a pooled guest (the create
-steps behind a locked check that the shape's pool has room, ending in state ``pooled``), and
-``CLAIM_STEPS`` turn a pooled guest into the sandbox (a locked step that takes one and rewrites
-its record, then its hostname over SSH). Both leave a record in state ``creating`` while they
-work, so a killed fill or claim is taken apart by reconcile like a killed create.
+The warm pool's paths (``FILL_STEPS``, ``CLAIM_STEPS``) are warmpool.py's, built from these
+steps and undos.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import shlex
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -32,24 +28,22 @@ from typing import TYPE_CHECKING, Any
 from vmsandbox import boot, guest, plan
 from vmsandbox.errors import (
     AlreadyExists,
-    DeadlineExceeded,
     FailedPrecondition,
     GuestVerificationFailed,
     ResourceExhausted,
     VmSandboxError,
 )
+from vmsandbox.fabric.lease import FabricLease
 from vmsandbox.guest import Endpoint
 from vmsandbox.hypervisor import Hypervisor
 from vmsandbox.images import BaseImage, make_overlay
 from vmsandbox.keys import KeyPair, SandboxKeys
-from vmsandbox.pool import NoPooledGuest, PoolFull
 from vmsandbox.process import ProcessIdentity
 from vmsandbox.progress import Progress
 from vmsandbox.record import (
     DOMAIN_PREFIX,
     STATE_CREATING,
     STATE_DEFINED,
-    STATE_POOLED,
     STATE_READY,
     STATE_STARTED,
     SandboxFiles,
@@ -59,6 +53,7 @@ from vmsandbox.seed import network_config, write_seed
 from vmsandbox.spec import SandboxSpec
 
 if TYPE_CHECKING:
+    from vmsandbox.allocator import Allocation
     from vmsandbox.config import Config
     from vmsandbox.host.model import Gpu
 
@@ -68,9 +63,11 @@ PORT_TRIES = 3
 
 @dataclass
 class Remains:
-    """What undos work from: the domain, the files and, when it is still readable, the record."""
+    """What undos work from: the domain, the files, the configuration (the state directory
+    holds the fabric ledger) and, when it is still readable, the record."""
 
     hypervisor: Hypervisor
+    config: Config
     name: str
     files: SandboxFiles
     record: SandboxRecord | None = None
@@ -85,13 +82,13 @@ class Remains:
 class Creation(Remains):
     """One create in progress: its inputs, and what each step has made so far."""
 
-    config: Config
     spec: SandboxSpec
     image: BaseImage
     virt_type: str
     progress: Progress
     exists: Callable[[str], bool]  # whether a sandbox of that name exists
-    choose_gpus: Callable[[], list[Gpu]]  # under the lock
+    # Under the lock: GPUs and their partition or NVSwitches (None: no GPU asked for).
+    allocate: Callable[[], Allocation | None]
     free_port: Callable[[], int]
     host_cpus: Callable[[], dict[int, list[int]]]  # host CPUs per NUMA node, for pinning
     timeout: float | None = None
@@ -99,7 +96,7 @@ class Creation(Remains):
     wait: bool = True
     verify: bool = True
     state: str = STATE_CREATING
-    gpus: list[Gpu] = field(default_factory=list)
+    allocation: Allocation | None = None
     mac: str = field(default_factory=plan.new_mac)
     pairs: tuple[KeyPair, KeyPair] | None = None
     planned: plan.SandboxPlan | None = None
@@ -109,6 +106,10 @@ class Creation(Remains):
     # a claim takes (under the lock; None when there is none ready).
     room: Callable[[], bool] = lambda: False
     take_pooled: Callable[[], SandboxRecord | None] = lambda: None
+
+    @property
+    def gpus(self) -> list[Gpu]:
+        return list(self.allocation.gpus) if self.allocation else []
 
 
 @dataclass(frozen=True)
@@ -132,9 +133,24 @@ def _reserve(c: Creation) -> None:
 
 
 def _gpus(c: Creation) -> None:
-    c.gpus = c.choose_gpus()
-    if c.gpus:
-        c.progress("GPUs: " + ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in c.gpus))
+    c.allocation = c.allocate()
+    if c.allocation is None:
+        return
+    gpus = c.allocation.gpus
+    c.progress("GPUs: " + ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in gpus))
+    if c.allocation.switches:
+        c.progress("NVSwitches: " + ", ".join(s.bdf for s in c.allocation.switches))
+
+
+def _activate(c: Creation) -> None:
+    """Shared NVSwitch mode: activate the chosen partition (the image's NVIDIA driver must be
+    Fabric Manager's release; the lease is recorded before fmpm is asked)."""
+    partition = c.allocation.partition if c.allocation else None
+    if partition is None:
+        return
+    c.progress(f"activating Fabric Manager partition {partition.id}")
+    driver = c.image.meta.get("nvidia_driver_version")
+    FabricLease(c.config).activate(partition.id, c.name, image=c.image.name, image_driver=driver)
 
 
 def _keys(c: Creation) -> None:
@@ -160,6 +176,7 @@ def _seed(c: Creation) -> None:
             host=c.pairs[1],
             network=network_config(c.mac, user_net=c.config.network == "user"),
             workdir=c.files.keys_dir,  # its files hold the host key: never outside the state dir
+            guest=c.spec.guest,  # environment, secret files, main unit: in the 0600 seed only
         )
 
 
@@ -171,7 +188,7 @@ def _define(c: Creation) -> None:
         config=c.config,
         image=c.image,
         virt_type=c.virt_type,
-        gpus=c.gpus,
+        allocation=c.allocation,
         port=c.free_port() if user_net else None,
         mac=c.mac,
         host_cpus=c.host_cpus() if c.gpus else None,
@@ -208,15 +225,7 @@ def _wait(c: Creation) -> None:
     timeout = c.timeout or boot.boot_timeout(c.config.boot_timeout, c.spec.memory_mib, len(c.gpus))
     watch = boot.BootWatch(c.hypervisor, c.name, c.domain, c.files)
     ssh = c.record.ssh
-    try:
-        if ssh.port is not None:
-            c.endpoint = Endpoint(ssh.host, ssh.port, ssh.user)
-        else:
-            c.endpoint = boot.lease_endpoint(
-                c.hypervisor, c.domain, ssh.user, timeout=timeout, check=watch.check
-            )
-    except DeadlineExceeded as exc:
-        raise watch.timed_out(exc) from exc
+    c.endpoint = boot.endpoint(watch, ssh, timeout=timeout)
     if ssh.port is None:  # the DHCP address is kept in the record: get/exec/ssh use it
         c.record = replace(c.record, ssh=replace(ssh, host=c.endpoint.host, port=22))
     keys = c.files.keys(c.record.host_key_alias)
@@ -236,12 +245,14 @@ def _verify(c: Creation) -> None:
 
 
 def verify_guest(record: SandboxRecord, endpoint: Endpoint, files: SandboxFiles) -> dict[str, Any]:
-    """The in-guest verification report of a booted sandbox's GPUs."""
-    from vmsandbox import guest, verify
+    """The in-guest verification report of a booted sandbox's GPUs (and of their NVLink
+    fabric when they talk through NVSwitches)."""
+    from vmsandbox import verify
 
     keys = files.keys(record.host_key_alias)
     expected = [verify.ExpectedGpu.from_record(gpu.to_dict()) for gpu in record.gpus]
-    return verify.verify(functools.partial(guest.run, endpoint, keys), expected).to_dict()
+    run = functools.partial(guest.run, endpoint, keys)
+    return verify.verify(run, expected, fabric=record.on_fabric).to_dict()
 
 
 def check_verification(
@@ -271,73 +282,6 @@ def _mark(c: Creation) -> None:
     c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
 
 
-def _room(c: Creation) -> None:
-    """Fill: stop when the shape's pool is full (guests still booting count)."""
-    if not c.room():
-        raise PoolFull(c.spec.image)
-
-
-def _settle(c: Creation) -> None:
-    """Fill: wait until the guest's boot has finished (late units such as cloud-init's last
-    stages hold its vCPU): a claim then finds an idle guest that answers at once."""
-    if not c.wait:
-        return
-    assert c.record is not None and c.endpoint is not None  # made by define and wait
-    keys = c.files.keys(c.record.host_key_alias)
-    command = "command -v systemctl >/dev/null && systemctl is-system-running --wait"
-    guest.run(c.endpoint, keys, f"{command} >/dev/null 2>&1; true", timeout=c.timeout or 300)
-
-
-def _pooled(c: Creation) -> None:
-    """Fill: the guest answered SSH; it is ready to be claimed."""
-    assert c.record is not None  # made by the define step
-    c.state = STATE_POOLED
-    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
-
-
-def _claim(c: Creation) -> None:
-    """Take a ready pooled guest of the spec's shape and make it this sandbox: its record gets
-    the sandbox's name, labels and creator (state creating until the hostname is set)."""
-    found = c.take_pooled()
-    if found is None:
-        raise NoPooledGuest(c.spec.image)
-    c.files = SandboxFiles.of(c.config, found.stem)  # from here on undos remove that guest
-    c.record = replace(
-        found,
-        name=c.name,
-        guest=found.stem,
-        labels=dict(c.spec.labels),
-        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        creator=ProcessIdentity.current(),
-    )
-    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING)
-
-
-def _hostname(c: Creation) -> None:
-    """Give the claimed guest the sandbox's name as its hostname (over SSH, with sudo)."""
-    assert c.record is not None  # made by the claim step
-    ssh = c.record.ssh
-    assert ssh.port is not None  # pooled guests were waited for: their endpoint is known
-    c.endpoint = Endpoint(ssh.host, ssh.port, ssh.user)
-    # One sudo, /etc/hosts first: sudo looks up the host's name, and a name missing from
-    # /etc/hosts goes to DNS, which a sandbox without outbound network waits out.
-    script = (
-        f"sed -i '/^127\\.0\\.1\\.1[[:space:]]/d' /etc/hosts && "
-        f"echo '127.0.1.1 {c.name}' >> /etc/hosts && "
-        f"echo {c.name} > /etc/hostname && hostname {c.name}"
-    )
-    command = f"sudo sh -c {shlex.quote(script)}"
-    started = time.monotonic()
-    result = guest.run(c.endpoint, c.files.keys(c.record.host_key_alias), command, timeout=60)
-    if result.exit_status != 0:
-        raise FailedPrecondition(
-            f"setting the hostname of sandbox {c.name!r} in pooled guest {c.files.name!r} "
-            f"failed (exit {result.exit_status}): {result.stderr.strip()}",
-            details={"name": c.name, "guest": c.files.name},
-        )
-    c.boot_seconds = round(time.monotonic() - started, 3)
-
-
 def _stop(r: Remains) -> None:
     r.hypervisor.stop(r.domain)
 
@@ -350,15 +294,16 @@ def _remove_files(r: Remains) -> None:
     r.files.remove()
 
 
-def _remove_guest(r: Remains) -> None:
-    r.hypervisor.stop(r.domain)
-    r.hypervisor.undefine(r.domain)
-    r.files.remove()
+def _release(r: Remains) -> None:
+    """Deactivate the sandbox's partition (its domain is gone by now) and forget the lease;
+    nothing is asked of Fabric Manager when the sandbox holds none."""
+    FabricLease(r.config).release(r.name)
 
 
 CREATE_STEPS: tuple[Step, ...] = (
     Step("reserve", _reserve, locked=True),
     Step("gpus", _gpus, locked=True),  # freed by undefining the domain that holds them
+    Step("fabric", _activate, _release, locked=True),
     Step("keys", _keys, _remove_files, locked=True),
     Step("overlay", _overlay, _remove_files, locked=True),
     Step("seed", _seed, _remove_files, locked=True),
@@ -370,20 +315,6 @@ CREATE_STEPS: tuple[Step, ...] = (
 )
 # Steps skipped by create(start=False).
 STARTING = frozenset({"start", "wait", "verify"})
-# A pooled guest: the create steps (no GPU to verify) behind the room check, ending in "pooled".
-FILL_STEPS: tuple[Step, ...] = (
-    Step("room", _room, locked=True),
-    *(step for step in CREATE_STEPS if step.name not in ("verify", "ready")),
-    Step("settle", _settle),
-    Step("pooled", _pooled),
-)
-# Claiming a pooled guest. Its undo removes the guest: a half-claimed guest never goes back.
-CLAIM_STEPS: tuple[Step, ...] = (
-    Step("reserve", _reserve, locked=True),
-    Step("claim", _claim, _remove_guest, locked=True),
-    Step("hostname", _hostname),
-    Step("ready", _mark),
-)
 
 
 # -- running them -------------------------------------------------------------------------------

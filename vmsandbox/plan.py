@@ -13,7 +13,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -31,6 +30,7 @@ from vmsandbox.record import (
 )
 
 if TYPE_CHECKING:
+    from vmsandbox.allocator import Allocation
     from vmsandbox.config import Config
     from vmsandbox.host.model import Gpu
     from vmsandbox.spec import SandboxSpec
@@ -67,7 +67,7 @@ def plan(
     config: Config,
     image: BaseImage | None,
     virt_type: str,
-    gpus: Sequence[Gpu] = (),
+    allocation: Allocation | None = None,
     port: int | None = None,
     mac: str = "52:54:00:00:00:01",
     host_cpus: dict[int, list[int]] | None = None,
@@ -78,9 +78,15 @@ def plan(
     """The plan of sandbox ``name`` (``image`` None: where an unbuilt image will be).
 
     ``port`` is the loopback port forwarded to the guest's sshd (user networking only);
-    ``host_cpus`` the host's CPUs per NUMA node, for pinning GPU sandboxes.
+    ``host_cpus`` the host's CPUs per NUMA node, for pinning GPU sandboxes. ``allocation``
+    (None: no GPUs) gives the GPUs and, on NVSwitch boards, the NVSwitches passed along (full
+    passthrough) or the Fabric Manager partition that connects them (shared mode); the record
+    names both.
     """
     files = files or SandboxFiles.of(config, name)
+    gpus = allocation.gpus if allocation else ()
+    switches = [switch.bdf for switch in allocation.switches] if allocation else []
+    partition = allocation.partition if allocation else None
     alias = DOMAIN_PREFIX + name
     record = SandboxRecord(
         name=name,
@@ -99,6 +105,8 @@ def plan(
         creator=creator,
         labels=dict(spec.labels),
         gpus=tuple(GpuRecord.of(gpu) for gpu in gpus),
+        fabric_partition=partition.id if partition else None,
+        switches=tuple(switches),
     )
     image_dir = image.path if image else config.images / spec.image / "current"
     domain = domain_xml.DomainPlan(
@@ -130,6 +138,7 @@ def plan(
             memory_mib=spec.memory_mib,
             virt_type=virt_type,
             pin=config.numa_pinning,
+            switches=switches,
         )
         domain = replace(
             domain,
@@ -139,7 +148,7 @@ def plan(
             ovmf_vars=config.ovmf_vars,
             extra=[functools.partial(passthrough.apply, plan=devices)],
         )
-    return SandboxPlan(record=record, files=files, domain=domain, gpus=tuple(gpus))
+    return SandboxPlan(record=record, files=files, domain=domain, gpus=gpus)
 
 
 def with_port(planned: SandboxPlan, port: int) -> SandboxPlan:

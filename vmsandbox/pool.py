@@ -62,9 +62,11 @@ class PoolShape:
         )
 
     def fits(self, spec: SandboxSpec) -> bool:
-        """Whether a guest of this shape can serve ``spec`` (GPU sandboxes never can)."""
+        """Whether a guest of this shape can serve ``spec``: GPU sandboxes never can, nor
+        can specs with guest setup (the pooled guest's first boot is over)."""
         return (
             spec.gpu is None
+            and spec.guest is None
             and spec.image == self.image
             and (spec.cpus, spec.memory_mib, spec.disk_gib)
             == (self.cpus, self.memory_mib, self.disk_gib)
@@ -88,6 +90,16 @@ class PoolShape:
             "disk_gib": self.disk_gib,
             "count": self.count,
         }
+
+
+def check_not_pooled_name(name: str | None) -> None:
+    """INVALID_ARGUMENT for a sandbox name that only the pool's guests may have."""
+    if name is not None and name.startswith(POOL_PREFIX):
+        raise InvalidArgument(
+            f"name {name!r} starts with {POOL_PREFIX!r}, which is kept for the warm pool's "
+            "guests; choose another name",
+            details={"field": "name", "value": name},
+        )
 
 
 def is_pool_guest(record: Any) -> bool:

@@ -7,6 +7,11 @@ Half-made: a domain still marked creating whose creator process is gone (a creat
 fill or a claim of a pooled guest) (``ProcessIdentity``:
 a reused pid or a reboot is not its creator); files with no domain; a stopped domain whose
 overlay, seed or keys are gone. A running domain whose files are gone is reported, not stopped.
+
+Then the fabric ledger (``vmsandbox.fabric.lease``): a Fabric Manager partition leased to a
+sandbox that has no domain any more (its domain was removed without the release, or a create
+was killed between activation and ``define``) is deactivated. Fabric Manager unreachable is a
+problem reported, not an error: the leases stay for the next reconcile.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from dataclasses import dataclass, field
 from vmsandbox import lifecycle
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, VmSandboxError
+from vmsandbox.fabric.lease import FabricLease
 from vmsandbox.hypervisor import Hypervisor
-from vmsandbox.record import STATE_CREATING, SandboxFiles, SandboxRecord
+from vmsandbox.record import DOMAIN_PREFIX, STATE_CREATING, SandboxFiles, SandboxRecord
 from vmsandbox.spec import validate_name
 
 
@@ -26,9 +32,14 @@ from vmsandbox.spec import validate_name
 class Report:
     removed: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    fabric_partitions: list[int] = field(default_factory=list)  # deactivated and forgotten
 
     def to_dict(self) -> dict[str, list[str]]:
-        return {"removed": sorted(set(self.removed)), "problems": self.problems}
+        return {
+            "removed": sorted(set(self.removed)),
+            "problems": self.problems,
+            "fabric_partitions": [str(partition) for partition in sorted(self.fabric_partitions)],
+        }
 
 
 def reconcile(
@@ -37,6 +48,8 @@ def reconcile(
     """Repair ``sandboxes`` (this state directory's records and states, read under the host
     lock, which the caller holds throughout) and remove files that belong to no domain."""
     report = Report()
+    fabric = FabricLease(config)
+    leased = set(fabric.leases())  # before the removals: theirs are released as they go
     known = set()
     for record, state in sandboxes:
         name = record.name
@@ -48,7 +61,7 @@ def reconcile(
         missing = [str(p) for p in (files.overlay, files.seed, files.keys_dir) if not p.exists()]
         if not creating and not missing:
             continue
-        remains = lifecycle.Remains(hypervisor, name, files, record)
+        remains = lifecycle.Remains(hypervisor, config, name, files, record)
         if not creating and hypervisor.running(remains.domain):
             report.problems.append(
                 f"{name}: running, but its files are gone ({', '.join(missing)}); "
@@ -66,6 +79,10 @@ def reconcile(
             report.removed.append(name)
         except VmSandboxError as exc:
             report.problems.append(f"{name}: {exc.message}")
+    if leased:  # most hosts have no fabric: no more libvirt calls for them
+        domains = hypervisor.list(DOMAIN_PREFIX)
+        report.problems += fabric.reconcile(d.domain.removeprefix(DOMAIN_PREFIX) for d in domains)
+        report.fabric_partitions = sorted(leased - set(fabric.leases()))
     return report
 
 

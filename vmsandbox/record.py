@@ -25,13 +25,17 @@ if TYPE_CHECKING:
     from vmsandbox.config import Config
     from vmsandbox.host.model import Gpu
 
-SCHEMA_VERSION = 3  # 3: ``guest``, the pooled guest a sandbox was claimed from
+# 3: ``failure`` and ``starter`` (stop/start and readiness of the OpenShell driver).
+# 4: ``guest``, the pooled guest a sandbox was claimed from (state ``pooled``, pool.py).
+SCHEMA_VERSION = 4
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
 STATE_STARTED = "started"  # started without waiting for SSH (create(wait=False))
 STATE_READY = "ready"  # SSH accepted its key (and the GPUs were verified when asked)
 STATE_POOLED = "pooled"  # a booted guest of the warm pool, not claimed yet (pool.py)
+STATE_STARTING = "starting"  # started by power.start; ready once wait() saw SSH (and the GPUs)
+STATE_FAILED = "failed"  # started, but the guest did not come up; ``failure`` says why
 
 # libvirt writes each QEMU domain's own log here (qemu:///system); destroy removes it too.
 LIBVIRT_QEMU_LOG_DIR = Path("/var/log/libvirt/qemu")
@@ -115,7 +119,15 @@ class SandboxRecord:
     creator: ProcessIdentity | None = None
     labels: dict[str, str] = field(default_factory=dict)
     gpus: tuple[GpuRecord, ...] = ()
+    # NVSwitch boards: the Fabric Manager partition that connects the GPUs (shared NVSwitch
+    # mode), or the NVSwitches passed along with all the GPUs (full passthrough), by BDF.
+    fabric_partition: int | None = None
+    switches: tuple[str, ...] = ()
     verification: dict[str, Any] | None = None
+    # State failed: why the guest did not come up ({code, message} of the error wait() raised).
+    failure: dict[str, str] | None = None
+    # State starting: the process that started it; while it lives the sandbox shows starting.
+    starter: ProcessIdentity | None = None
     # The pooled guest this sandbox was claimed from: its domain and files keep that guest's
     # name (libvirt cannot rename a running domain). None: domain and files carry ``name``.
     guest: str | None = None
@@ -129,6 +141,12 @@ class SandboxRecord:
     @property
     def domain(self) -> str:
         return DOMAIN_PREFIX + self.stem
+
+    @property
+    def on_fabric(self) -> bool:
+        """Whether the guest's GPUs talk over NVLink through NVSwitches: a partition of more
+        than one GPU, or the whole board with its NVSwitches."""
+        return bool(self.switches) or (self.fabric_partition is not None and len(self.gpus) > 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,13 +167,19 @@ class SandboxRecord:
             "creator": self.creator.to_dict() if self.creator else None,
             "labels": dict(self.labels),
             "gpus": [gpu.to_dict() for gpu in self.gpus],
+            "fabric_partition": self.fabric_partition,
+            "switches": list(self.switches),
             "verification": self.verification,
+            "failure": dict(self.failure) if self.failure else None,
+            "starter": self.starter.to_dict() if self.starter else None,
             "guest": self.guest,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SandboxRecord:
-        """Read a stored record; version 1 (no ``version`` key) fills what it lacked.
+        """Read a stored record; version 1 (no ``version`` key) fills what it lacked, and so do
+        records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``),
+        version 2 (no ``failure``, no ``starter``) and version 3 (no ``guest``).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -170,6 +194,8 @@ class SandboxRecord:
         ssh = data.get("ssh") or {}
         port = ssh.get("port")
         creator = data.get("creator")
+        starter = data.get("starter")
+        failure = data.get("failure")
         return cls(
             name=name,
             image=str(data.get("image", "?")),
@@ -191,10 +217,20 @@ class SandboxRecord:
             creator=ProcessIdentity.from_dict(creator) if isinstance(creator, dict) else None,
             labels={str(k): str(v) for k, v in (data.get("labels") or {}).items()},
             gpus=tuple(GpuRecord.from_dict(gpu) for gpu in data.get("gpus") or ()),
+            fabric_partition=_optional_int(data.get("fabric_partition")),
+            switches=tuple(str(bdf) for bdf in data.get("switches") or ()),
             verification=data.get("verification"),
+            failure=(
+                {str(k): str(v) for k, v in failure.items()} if isinstance(failure, dict) else None
+            ),
+            starter=ProcessIdentity.from_dict(starter) if isinstance(starter, dict) else None,
             guest=str(data["guest"]) if data.get("guest") else None,
             version=SCHEMA_VERSION,
         )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 @dataclass(frozen=True)

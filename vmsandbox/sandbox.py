@@ -16,7 +16,7 @@ class Sandbox:
 
     name: str
     domain: str
-    state: str  # ready | started | creating | defined | stopped | ...
+    state: str  # ready | started | starting | failed | creating | defined | stopped | ...
     image: str
     cpus: int
     memory_mib: int
@@ -31,6 +31,7 @@ class Sandbox:
     labels: dict[str, str] = field(default_factory=dict)
     verification: dict[str, Any] | None = None
     boot_seconds: float | None = None
+    failure: dict[str, str] | None = None  # state failed: {code, message} of why (power.wait)
 
     @classmethod
     def of(cls, record: SandboxRecord, state: str, files: SandboxFiles) -> Sandbox:
@@ -53,6 +54,7 @@ class Sandbox:
             gpus=[gpu.to_dict() for gpu in record.gpus],
             labels=dict(record.labels),
             verification=record.verification,
+            failure=record.failure,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,4 +80,5 @@ class Sandbox:
             "labels": self.labels,
             "verification": self.verification,
             "boot_seconds": self.boot_seconds,
+            "failure": self.failure,
         }

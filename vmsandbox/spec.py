@@ -21,6 +21,7 @@ from vmsandbox.gpuquery import (
     require_count,
     shown,
 )
+from vmsandbox.guestsetup import GuestSetup
 
 NAME_MAX = 48
 _NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\Z")  # \Z: "$" also matches before "\n"
@@ -144,6 +145,8 @@ class SandboxSpec:
     gpu: GpuRequest | None = None
     virt_type: str = "auto"
     labels: dict[str, str] = field(default_factory=dict)
+    # First-boot environment, files and main process; kept out of the domain and its record.
+    guest: GuestSetup | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -161,6 +164,11 @@ class SandboxSpec:
             raise InvalidArgument(
                 f"gpu must be a GpuRequest or None, got {type(self.gpu).__name__}",
                 details={"field": "gpu"},
+            )
+        if self.guest is not None and not isinstance(self.guest, GuestSetup):
+            raise InvalidArgument(
+                f"guest must be a GuestSetup or None, got {type(self.guest).__name__}",
+                details={"field": "guest"},
             )
         if not isinstance(self.labels, dict):
             raise InvalidArgument(

@@ -8,7 +8,11 @@ Five checks (``vmsandbox.verify.checks``), each a constant shell command run ove
 - ``nvidia-smi``: one row per NVIDIA GPU, the expected model and memory, a driver version;
 - ``kernel-log``: no NVIDIA Xid errors or failed GPU initialisations in the guest's kernel log;
 - ``compute``: ``guest_tools/cuda_smoke.py`` (fed to ``python3 -``) runs a vector add on every GPU
-  through the CUDA driver API.
+  through the CUDA driver API;
+- ``fabric`` (only ``verify(..., fabric=True)``: GPUs that talk over NVLink through NVSwitches,
+  a multi-GPU Fabric Manager partition or a whole board): CUDA starts (error 802 is reported as
+  "fabric not initialised" with the fix), the NVLinks are up, every GPU pair is on NVLink
+  (``vmsandbox.fabric.nvlink``).
 
 The NVIDIA checks run when NVIDIA GPUs were passed; an image without the NVIDIA driver skips
 them and fails verification (passing NVIDIA GPUs to it is almost always a mistake; ``--no-verify``
@@ -35,6 +39,7 @@ from .checks import (
     Runner,
     check_compute,
     check_driver,
+    check_fabric,
     check_kernel_log,
     check_nvidia_smi,
     check_pci,
@@ -108,12 +113,16 @@ __all__ = [
 NO_NVIDIA_GPU = "no NVIDIA GPU passed"
 NVIDIA_CHECKS = ("driver", "nvidia-smi", "kernel-log", "compute")
 
-def verify(run: Runner, expected: Sequence[ExpectedGpu]) -> VerificationReport:
+
+def verify(
+    run: Runner, expected: Sequence[ExpectedGpu], *, fabric: bool = False
+) -> VerificationReport:
     """Run the checks in the guest behind ``run`` against the GPUs it was given.
 
     ``expected`` in the order of the domain's ``<hostdev>`` elements (the order the GPUs were
     chosen): guest bus numbers follow it, which is how guest addresses map to host BDFs when
-    several GPUs share one model.
+    several GPUs share one model. ``fabric``: the GPUs talk through NVSwitches, so their NVLink
+    fabric is checked too.
     """
     gpus = [
         GpuReport(
@@ -140,13 +149,14 @@ def verify(run: Runner, expected: Sequence[ExpectedGpu]) -> VerificationReport:
     addresses = [gpu.guest_address for gpu in nvidia]
     driver_version = None
     kernel_events: list[str] = []
+    checks = (*NVIDIA_CHECKS, "fabric") if fabric else NVIDIA_CHECKS
     if not nvidia:
-        findings += [skipped(name, NO_NVIDIA_GPU) for name in NVIDIA_CHECKS]
+        findings += [skipped(name, NO_NVIDIA_GPU) for name in checks]
     else:
         driver, driver_version = check_driver(run)
         findings.append(driver)
         if not driver.passed:
-            findings += [skipped(name, NO_DRIVER) for name in NVIDIA_CHECKS[1:]]
+            findings += [skipped(name, NO_DRIVER) for name in checks[1:]]
         else:
             smi, rows, listed = check_nvidia_smi(run, identities, addresses)
             for bdf, row in rows.items():
@@ -164,6 +174,8 @@ def verify(run: Runner, expected: Sequence[ExpectedGpu]) -> VerificationReport:
                 findings.append(compute)
             else:
                 findings.append(skipped("compute", "nvidia-smi failed"))
+            if fabric:
+                findings.append(check_fabric(run, len(nvidia)))
     return _report(gpus, findings, driver_version, kernel_events)
 
 
@@ -189,4 +201,3 @@ def _report(
         driver_version=driver_version,
         kernel_events=kernel_events,
     )
-

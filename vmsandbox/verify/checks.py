@@ -252,6 +252,19 @@ def check_kernel_log(
     return Findings(check, tuple(problems), tuple(gpu_problems)), nvrm[-KERNEL_EVENTS_KEPT:]
 
 
+def check_fabric(run: Runner, gpus: int) -> Findings:
+    """The NVLink fabric of a guest whose ``gpus`` GPUs talk through NVSwitches
+    (``vmsandbox.fabric.nvlink``): CUDA starts (802 is "fabric not initialised", with the fix),
+    every GPU's links are up and every GPU pair is connected over NVLink."""
+    from vmsandbox.fabric import nvlink
+
+    findings = nvlink.check(run, gpus)
+    failed = [finding for finding in findings if not finding.ok]
+    detail = "; ".join(f"{finding.check}: {finding.message}" for finding in failed or findings)
+    problems = tuple(f"fabric: {finding.check}: {finding.message}" for finding in failed)
+    return Findings(CheckResult("fabric", FAILED if failed else PASSED, detail), problems)
+
+
 def check_compute(
     run: Runner, gpus: Sequence[ExpectedGpu], addresses: Sequence[str | None]
 ) -> tuple[Findings, dict[str, bool]]:
