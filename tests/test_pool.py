@@ -1,6 +1,7 @@
 """The warm pool on the real libvirtd with real guests: fill, claim (the guest becomes the
-sandbox: name, hostname, record, keys of its own), the background refill, a spec the pool does
-not match, two concurrent creates, kill -9 during a refill and during a claim, drain.
+sandbox: name, hostname, record, keys of its own), stop/start of a claimed sandbox, the
+background refill (whose guests cannot be stopped as sandboxes), a spec the pool does not
+match, two concurrent creates, kill -9 during a refill and during a claim, drain.
 
 Every pooled guest costs a TCG boot (40-120 s here), so the tests share one state directory and
 run in order: four boots in all. The CLI runs as separate processes, as an operator runs it,
@@ -119,10 +120,20 @@ def test_fill_then_a_create_claims_the_guest_and_a_refill_follows(pool_config: C
         conn.close()
     assert title == "x"
 
+    # stop/start (power.py) find the claimed sandbox by its record, and act on its guest's domain
+    assert ok("stop", "x", "--grace", "30", config=config)["state"] == "stopped"
+    started = ok("start", "x", config=config)
+    assert (started["state"], started["domain"]) == ("ready", f"vmsbx-{first}")
+    hostname = run("exec", "x", "--", "hostname", config=config)
+    assert (hostname.returncode, hostname.stdout.strip()) == (0, "x"), hostname.stderr
+
     ok("pool", "fill", config=config)  # waits for the refill the create started
     (second,) = ready_guests(config)
     assert second != first
     assert set(keys_of(config, second)).isdisjoint(first_keys)  # keys of its own
+    refused = run("stop", second, config=config)  # the pool's guest, not a sandbox
+    assert refused.returncode == 5, refused.stderr
+    assert f"FAILED_PRECONDITION: '{second}' is a guest of the warm pool" in refused.stderr
 
     ok("destroy", "x", config=config)
     assert [name for name in ours(config) if first in name] == []

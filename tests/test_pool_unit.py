@@ -17,7 +17,7 @@ from fake_hypervisor import FakeHypervisor
 
 from vmsandbox import lifecycle, warmpool
 from vmsandbox.config import Config
-from vmsandbox.errors import InvalidArgument, VmSandboxError
+from vmsandbox.errors import FailedPrecondition, InvalidArgument, VmSandboxError
 from vmsandbox.manager import SandboxManager
 from vmsandbox.pool import PoolShape, parse_table
 from vmsandbox.record import names_domain
@@ -181,6 +181,32 @@ def test_a_claimed_guest_is_found_by_its_sandbox_name(
     assert [s.name for s in manager.list()] == ["hit"] and manager.pool.show()[0]["guests"] == []
     manager.destroy("hit")
     assert everything(config, hv) == []
+
+
+def test_stop_and_start_of_a_claimed_sandbox_act_on_its_guests_domain(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    """power.py finds a claimed sandbox by its record: stop and start act on the pooled
+    guest's domain, and the record keeps the sandbox's name and its guest."""
+    guest = pooled_guest(manager)
+    dom = hv.domains[f"vmsbx-{guest}"]
+    assert dom.data is not None and dom.running
+    dom.data.update(name="hit", guest=guest)
+    dom.state = "ready"
+    assert manager.stop("hit", grace=0.1).state == "stopped" and not dom.running
+    started = manager.start("hit", wait=False)
+    assert (started.name, started.domain, started.state) == ("hit", f"vmsbx-{guest}", "starting")
+    assert dom.running and dom.data["guest"] == guest and dom.data["name"] == "hit"
+
+
+def test_a_pooled_guest_cannot_be_stopped_or_started_as_a_sandbox(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    guest = pooled_guest(manager)
+    for act in (manager.stop, manager.start):
+        with pytest.raises(FailedPrecondition, match="is a guest of the warm pool"):
+            act(guest)
+    assert hv.domains[f"vmsbx-{guest}"].running
 
 
 def test_reconcile_removes_a_half_claimed_or_half_filled_guest(
