@@ -6,7 +6,8 @@ bench/results/<name>.json; this script reads them back and writes bench/results/
 not worth quoting. Exit status: 0 when every benchmark ran and met its targets, 1 otherwise.
 
 The boot-heavy ones take long under TCG: destroy and create_overhead a minute or two,
-ssh_ready 1-2 minutes a round, parallel_creates 10-15 minutes for its one round.
+ssh_ready 1-2 minutes a round, fast_start 2-4 minutes a round (a cold boot and a pool fill),
+parallel_creates 10-15 minutes for its one round.
 
 Usage: .venv/bin/python bench/run_all.py [--quick] [--only NAME ...] [--skip NAME ...]
 """
@@ -43,6 +44,7 @@ BENCHES = (
     Bench("destroy", "destroy.py", "destroy.json"),
     Bench("create_overhead", "create_overhead.py", "create_overhead.json"),
     Bench("ssh_ready", "ssh_ready.py", "ssh_ready.json"),
+    Bench("fast_start", "fast_start.py", "fast_start.json"),
     Bench("parallel_creates", "parallel_creates.py", "parallel_creates.json"),
 )
 NAMES = [bench.name for bench in BENCHES]

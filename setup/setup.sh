@@ -11,6 +11,7 @@ PACKAGES=(
   libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu qemu-system-x86 qemu-utils
   ovmf libvirt-dev pkg-config python3-venv python3-dev gcc mmdebstrap e2fsprogs umockdev
   openssh-client genisoimage pciutils libxml2-utils ca-certificates make
+  busybox-static
 )
 # Packages only some jobs need (make bench adds virtinst for its virt-install baseline).
 read -r -a EXTRA <<< "${VMSANDBOX_EXTRA_PACKAGES:-}"

@@ -8,6 +8,7 @@ No timing assertions: the figures depend on the machine. The boot-heavy benchmar
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
 from allocation import double_allocations, most_held  # noqa: E402
+from fast_start import floor_initramfs, floor_seconds  # noqa: E402
 
 
 def run_bench(script: str, out: Path, *args: str) -> dict[str, Any]:
@@ -118,3 +120,15 @@ def test_destroy_bench_runs_and_cleans_up(tmp_path: Path) -> None:
     [comparison] = report["comparisons"]
     assert len(comparison["ratios"]) == 1
     assert [name for name in domains() if name.startswith(f"vmsbx-bench-de-{report['run']}-")] == []
+
+
+def test_the_boot_floor_initramfs_boots_the_image_kernel_and_powers_off(tmp_path: Path) -> None:
+    """fast_start's floor: QEMU exits by itself (a failed /init panics, and panic=-1 with
+    -no-reboot ends QEMU too, so the console must show no panic)."""
+    kernel = Path(os.environ.get("VMSANDBOX_IMAGE_DIR", "/var/lib/vmsandbox/images"))
+    kernel = kernel / "minimal" / "current" / "vmlinuz"
+    initrd = floor_initramfs(tmp_path)
+    log = tmp_path / "console.log"
+    assert floor_seconds(kernel, initrd, console=log) > 0
+    text = log.read_text(errors="replace")
+    assert "Kernel panic" not in text and "reboot: Power down" in text

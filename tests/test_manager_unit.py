@@ -323,7 +323,7 @@ def test_a_failed_guest_verification_removes_the_sandbox_unless_kept(
         host_cpus=dict,
     )
     with pytest.raises(GuestVerificationFailed, match=r"0000:41:00\.0 missing") as caught:
-        lifecycle.check_verification(creation, manager._locked, keep=keep)
+        lifecycle.check_verification(creation, manager.locked, keep=keep)
     assert caught.value.details["kept"] is keep
     assert bool(left(config, hv)) is keep
 

@@ -75,3 +75,16 @@ def test_the_fabric_fields_round_trip_and_old_records_hold_none() -> None:
     board = SandboxRecord.from_dict({**VERSION_1, "switches": ["0000:07:00.0", "0000:08:00.0"]})
     assert board.switches == ("0000:07:00.0", "0000:08:00.0") and board.on_fabric
     assert board.to_dict()["switches"] == ["0000:07:00.0", "0000:08:00.0"]
+
+
+def test_a_version_3_record_reads_unclaimed_and_a_claim_round_trips() -> None:
+    """Version 3 (stop/start's ``failure`` and ``starter``) has no ``guest``: the sandbox's
+    domain and files carry its name. Version 4 adds the pooled guest a sandbox was claimed
+    from; the domain and files then carry the guest's name."""
+    failure = {"code": "DEADLINE_EXCEEDED", "message": "no SSH"}
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 3, "failure": failure})
+    assert (old.guest, old.stem, old.domain, old.failure) == (None, "old", "vmsbx-old", failure)
+    claimed = SandboxRecord.from_dict({**old.to_dict(), "guest": "pool-1234abcd"})
+    assert (claimed.stem, claimed.domain) == ("pool-1234abcd", "vmsbx-pool-1234abcd")
+    assert SandboxRecord.from_dict(claimed.to_dict()) == claimed
+    assert claimed.to_dict()["version"] == SCHEMA_VERSION == 4

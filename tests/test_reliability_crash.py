@@ -150,7 +150,7 @@ def force_remove(config: Config, name: str) -> None:
     with SandboxManager(config, reconcile=False) as manager:
         lifecycle.teardown(
             lifecycle.Remains(manager.hypervisor, config, name, SandboxFiles.of(config, name)),
-            manager._locked,
+            manager.locked,
         )
 
 

@@ -157,6 +157,7 @@ def _cmd_create(args: argparse.Namespace, out: Output) -> int:
             verify=not args.no_verify,
             keep_on_failure=args.keep_on_failure,
             timeout=args.timeout,
+            refill=not args.no_refill,
         )
     out.result(sandbox.to_dict(), _describe(sandbox.to_dict()))
     return 0
@@ -300,6 +301,35 @@ def _cmd_reconcile(_args: argparse.Namespace, out: Output) -> int:
     return 1 if report["problems"] else 0
 
 
+def _cmd_pool(args: argparse.Namespace, out: Output) -> int:
+    """``pool``: the shapes and their guests; ``pool fill`` blocks until every shape is full;
+    ``pool drain`` removes the guests not claimed yet."""
+    with _manager(progress=args.pool_command == "fill", reconcile=True) as manager:
+        if args.pool_command == "fill":
+            made = manager.pool.fill()
+            out.result({"made": made}, "\n".join(f"made {name}" for name in made) or "full")
+            return 0
+        if args.pool_command == "drain":
+            removed = manager.pool.drain()
+            text = "\n".join(f"removed {name}" for name in removed) or "the pool was empty"
+            out.result({"removed": removed}, text)
+            return 0
+        shapes = manager.pool.show()
+    rows = [
+        (
+            s["key"],
+            s["image"],
+            f"{s['cpus']} vCPU, {s['memory_mib']} MiB, {s['disk_gib']} GiB",
+            f"{s['ready']}/{s['count']}",
+            ", ".join(f"{g['name']} ({g['state']})" for g in s["guests"]) or "-",
+        )
+        for s in shapes
+    ]
+    table = _table(("SHAPE", "IMAGE", "SIZE", "READY", "GUESTS"), rows)
+    out.result({"pool": shapes}, table if rows else "no [pool] shapes configured")
+    return 0
+
+
 def _cmd_images(args: argparse.Namespace, out: Output) -> int:
     from pathlib import Path
 
@@ -405,6 +435,7 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "gpus": _cmd_gpus,
     "verify": _cmd_verify,
     "images": _cmd_images,
+    "pool": _cmd_pool,
 }
 
 

@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--timeout", type=_seconds, help="seconds to wait for SSH")
     create.add_argument("--no-wait", action="store_true", help="return once the domain runs")
     create.add_argument(
+        "--no-refill",
+        action="store_true",
+        help="after claiming a pooled guest, leave the pool one short (no background fill)",
+    )
+    create.add_argument(
         "--no-verify", action="store_true", help="skip checking the GPUs from inside the guest"
     )
     create.add_argument(
@@ -173,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("name")
 
     sub.add_parser("reconcile", parents=common, help="remove half-made sandboxes")
+
+    pool = sub.add_parser("pool", parents=common, help="show, fill or drain the warm pool")
+    pool.add_argument(
+        "pool_command",
+        nargs="?",
+        choices=("show", "fill", "drain"),
+        default="show",
+        help="show (default); fill: boot guests until every shape is full; drain: remove them",
+    )
 
     images = sub.add_parser("images", parents=common, help="build, import and list guest images")
     images_sub = images.add_subparsers(dest="images_command", required=True, parser_class=_Parser)

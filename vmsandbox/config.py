@@ -18,6 +18,7 @@ from typing import Any
 
 from vmsandbox import virt
 from vmsandbox.errors import InvalidArgument
+from vmsandbox.pool import PoolShape, parse_table
 
 DEFAULT_CONFIG_FILE = "/etc/vmsandbox/config.toml"
 
@@ -86,6 +87,8 @@ class Config:
     # (FM in a service VM): the guest's NVIDIA driver must be that release.
     fabric_manager: str = "nv-fabricmanager"
     fm_version: str = ""
+    # The warm pool's shapes, from the ``[pool]`` table (pool.py says how entries name them).
+    pool: tuple[PoolShape, ...] = ()
 
     @property
     def images(self) -> Path:
@@ -143,6 +146,9 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
             )
         default = getattr(base, key)
         try:
+            if key == "pool":
+                changes[key] = parse_table(raw)
+                continue
             if isinstance(default, tuple):
                 value = _uids(raw)
             elif isinstance(default, bool):
@@ -165,6 +171,18 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
         raise InvalidArgument(
             f"config virt_type {config.virt_type!r} is not one of auto, kvm, qemu"
         )
+    for shape in config.pool:
+        for what, value, cap in (
+            ("cpus", shape.cpus, config.max_cpus),
+            ("memory_mib", shape.memory_mib, config.max_memory_mib),
+            ("disk_gib", shape.disk_gib, config.max_disk_gib),
+        ):
+            if value > cap:
+                raise InvalidArgument(
+                    f"config pool.{shape.key}.{what} {value} is over this host's cap of {cap} "
+                    "per sandbox",
+                    details={"field": f"pool.{shape.key}.{what}", "value": value, "max": cap},
+                )
     if config.fm_unix_socket and config.fm_hostname:
         raise InvalidArgument(
             f"config sets both fm_unix_socket {config.fm_unix_socket!r} and fm_hostname "

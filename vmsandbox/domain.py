@@ -63,6 +63,9 @@ def build_domain_xml(plan: DomainPlan) -> str:
     uuid = etree.Element("uuid")
     uuid.text = plan.uuid
     root.find("name").addnext(uuid)
+    title = etree.Element("title")  # the sandbox's name, also where the domain name is not it
+    title.text = str(plan.record.get("name", plan.domain_name))
+    uuid.addnext(title)
     _set_metadata(root.find("metadata"), plan.record, state=plan.state)
     for tag in ("memory", "currentMemory"):
         root.find(tag).text = str(plan.memory_mib)

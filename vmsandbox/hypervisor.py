@@ -224,16 +224,21 @@ class LibvirtHypervisor:
             raise translate(exc, f"reading {_what(domain)}") from exc
 
     def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None:
+        """Store the record and state; the title follows the record's name (a claimed pooled
+        guest's domain keeps its own name)."""
         dom = self._domain(domain)
+        flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG | (
+            libvirt.VIR_DOMAIN_AFFECT_LIVE if dom.isActive() else 0
+        )
         with libvirt_errors(f"updating the metadata of {_what(domain)}"):
             dom.setMetadata(
                 libvirt.VIR_DOMAIN_METADATA_ELEMENT,
                 domain_xml.metadata_xml(data, state),
                 domain_xml.METADATA_KEY,
                 domain_xml.METADATA_NS,
-                libvirt.VIR_DOMAIN_AFFECT_CONFIG
-                | (libvirt.VIR_DOMAIN_AFFECT_LIVE if dom.isActive() else 0),
+                flags,
             )
+            dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_TITLE, str(data["name"]), None, None, flags)
 
     def lease_address(self, domain: str) -> str | None:
         """The guest's IPv4 address from its network's DHCP leases, None while it has none."""

@@ -10,6 +10,9 @@ runs after ``define``'s undo (newest first), so only once the domain holding the
 
 Steps marked ``locked`` run under the host lock (names, ports and GPUs are chosen there, and the
 domain is defined before the lock is let go); their undos run under it too.
+
+The warm pool's paths (``FILL_STEPS``, ``CLAIM_STEPS``) are warmpool.py's, built from these
+steps and undos.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from vmsandbox import boot, plan
+from vmsandbox import boot, guest, plan
 from vmsandbox.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -71,7 +74,8 @@ class Remains:
 
     @property
     def domain(self) -> str:
-        return DOMAIN_PREFIX + self.name
+        """The domain carries the files' name: a claimed pooled guest keeps its own."""
+        return DOMAIN_PREFIX + self.files.name
 
 
 @dataclass(kw_only=True)
@@ -98,6 +102,10 @@ class Creation(Remains):
     planned: plan.SandboxPlan | None = None
     endpoint: Endpoint | None = None
     boot_seconds: float | None = None
+    # The warm pool: whether the fill's shape has room (under the lock), and the pooled guest
+    # a claim takes (under the lock; None when there is none ready).
+    room: Callable[[], bool] = lambda: False
+    take_pooled: Callable[[], SandboxRecord | None] = lambda: None
 
     @property
     def gpus(self) -> list[Gpu]:
@@ -239,7 +247,7 @@ def _verify(c: Creation) -> None:
 def verify_guest(record: SandboxRecord, endpoint: Endpoint, files: SandboxFiles) -> dict[str, Any]:
     """The in-guest verification report of a booted sandbox's GPUs (and of their NVLink
     fabric when they talk through NVSwitches)."""
-    from vmsandbox import guest, verify
+    from vmsandbox import verify
 
     keys = files.keys(record.host_key_alias)
     expected = [verify.ExpectedGpu.of(gpu) for gpu in record.gpus]

@@ -4,8 +4,8 @@ It orchestrates and nothing else. The record and files are record.py's, reading 
 them in libvirt store.py's; planning the domain is plan.py's; the create steps and their undos
 are lifecycle.py's; the boot wait is boot.py's (console reading: console.py); stop, start and
 the wait for readiness are power.py's; reconcile is reconcile.py's; libvirt is behind
-hypervisor.py's ``Hypervisor``. libvirt is the source of truth: every sandbox is a persistent
-domain named ``vmsbx-<name>`` whose metadata holds its record.
+hypervisor.py's ``Hypervisor``; the warm pool is warmpool.py's. libvirt is the source of truth:
+every sandbox is a persistent domain whose metadata holds its record (store.py says which).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from vmsandbox.hypervisor import Hypervisor, LibvirtHypervisor
 from vmsandbox.images import BaseImage, ImageStore
 from vmsandbox.keys import SandboxKeys
 from vmsandbox.lock import host_lock
+from vmsandbox.numa import host_cpus_by_node
+from vmsandbox.pool import check_not_pooled_name, is_pool_guest
 from vmsandbox.progress import Progress, silent
 from vmsandbox.reconcile import reconcile as reconcile_sandboxes
 from vmsandbox.record import (
@@ -37,6 +39,7 @@ from vmsandbox.record import (
 from vmsandbox.sandbox import Sandbox
 from vmsandbox.spec import SandboxSpec, generate_name, validate_name
 from vmsandbox.store import SandboxStore
+from vmsandbox.warmpool import WarmPool
 
 if TYPE_CHECKING:
     import libvirt
@@ -75,6 +78,7 @@ class SandboxManager:
             self.checkpoint = checkpoint
         self.images = ImageStore(self.config.images)
         self.store = SandboxStore(self.hypervisor, self.config)
+        self.pool = WarmPool(self)
         prepare_state_dirs(self.config)
         if reconcile:
             self.reconcile()
@@ -95,7 +99,7 @@ class SandboxManager:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def _locked(self) -> contextlib.AbstractContextManager[None]:
+    def locked(self) -> contextlib.AbstractContextManager[None]:
         return host_lock(self.config.lock_path)
 
     # -- create -------------------------------------------------------------------------------
@@ -113,6 +117,7 @@ class SandboxManager:
         keep_on_failure: bool = False,
         timeout: float | None = None,
         progress: Progress | None = None,
+        refill: bool = True,
     ) -> Sandbox:
         """Create and start a sandbox; with ``wait``, return once SSH accepts its key.
 
@@ -121,15 +126,24 @@ class SandboxManager:
         checked from inside the guest; a failed check raises GuestVerificationFailed and
         removes the sandbox unless ``keep_on_failure``.
 
+        A started spec of a ``[pool]`` shape claims a ready pooled guest if there is one, then
+        (``refill``) starts a background ``vmsandbox pool fill``; else it boots cold.
+
         Any failure undoes every step this call made (lifecycle.py) before the error
         propagates, which also frees the GPUs it had chosen.
         """
         say = progress or self.progress
         check_timeout(timeout)
         self.check_caps(spec)
+        check_not_pooled_name(spec.name)
         image = self.images.get(spec.image)
         planner.check_disk(spec, image)
         name = spec.name or generate_name()
+        claimed = self.pool.claim(spec, name, image, say) if start else None
+        if claimed is not None:
+            if refill:
+                self.pool.refill_in_background()
+            return claimed
         creation = lifecycle.Creation(
             hypervisor=self.hypervisor,
             name=name,
@@ -141,8 +155,8 @@ class SandboxManager:
             progress=say,
             exists=lambda n: self.store.lookup(n) is not None,
             allocate=functools.partial(self._allocate, spec),
-            free_port=self._free_port,
-            host_cpus=_host_cpus,
+            free_port=self.store.free_port,
+            host_cpus=host_cpus_by_node,
             timeout=timeout,
             start=start,
             wait=wait,
@@ -150,19 +164,19 @@ class SandboxManager:
         )
         skip = lifecycle.STARTING if not start else frozenset()
         steps = tuple(step for step in lifecycle.CREATE_STEPS if step.name not in skip)
-        lifecycle.run(steps, creation, self._locked, self.checkpoint)
+        lifecycle.run(steps, creation, self.locked, self.checkpoint)
         assert creation.record is not None  # made by the define step
         record, state = creation.record, creation.state
         sandbox = self.store.view(record, state)
         sandbox.boot_seconds = creation.boot_seconds
-        lifecycle.check_verification(creation, self._locked, keep=keep_on_failure)
+        lifecycle.check_verification(creation, self.locked, keep=keep_on_failure)
         say(f"sandbox {name} is {state}")
         return sandbox
 
     def verify(self, name: str) -> dict[str, Any]:
         """Re-run the in-guest GPU verification of a running sandbox; the report is stored."""
         record, state = self.store.get(name)
-        files = SandboxFiles.of(self.config, name)
+        files = SandboxFiles.of(self.config, record.stem)
         report = lifecycle.verify_guest(record, self._endpoint(record), files)
         self.store.put(replace(record, verification=report), state)
         return report
@@ -181,9 +195,9 @@ class SandboxManager:
         except NotFound:
             image = None
         virt_type = virt.for_sandbox(spec.virt_type, self.config, None, self.progress)
-        with self._locked():
+        with self.locked():
             chosen = self._allocate(spec)
-            port = self._free_port() if self.config.network == "user" else None
+            port = self.store.free_port() if self.config.network == "user" else None
         planned = planner.plan(
             spec,
             name=name,
@@ -192,7 +206,7 @@ class SandboxManager:
             virt_type=virt_type,
             allocation=chosen,
             port=port,
-            host_cpus=_host_cpus() if chosen else None,
+            host_cpus=host_cpus_by_node() if chosen else None,
         )
         return planned.xml(), list(planned.gpus)
 
@@ -215,31 +229,29 @@ class SandboxManager:
 
         return discover(in_use=self.hypervisor.hostdev_holders())
 
-    def _free_port(self) -> int:
-        """A loopback port that no sandbox of ours forwards and nothing listens on now."""
-        return planner.free_port({record.ssh.port for record, _state in self.store.all()})
-
     # -- read ---------------------------------------------------------------------------------
 
     def get(self, name: str) -> Sandbox:
         record, state = self.store.get(name)
         if record.ssh.port is None:  # libvirt network: learn the DHCP address once, keep it
-            address = self.hypervisor.lease_address(DOMAIN_PREFIX + name)
+            address = self.hypervisor.lease_address(record.domain)
             if address is not None:
                 record = replace(record, ssh=replace(record.ssh, host=address, port=22))
                 self.store.put(record, state)
         return self.store.view(record, state)
 
     def list(self) -> list[Sandbox]:
+        """The sandboxes (pooled guests not claimed yet are the pool's: ``pool.show``)."""
         return sorted(
-            (self.store.view(record, state) for record, state in self.store.all()),
+            (self.store.view(r, s) for r, s in self.store.all() if not is_pool_guest(r)),
             key=lambda sandbox: sandbox.name,
         )
 
     # -- use ----------------------------------------------------------------------------------
 
     def keys_of(self, sandbox: Sandbox) -> SandboxKeys:
-        return SandboxFiles.of(self.config, sandbox.name).keys(sandbox.host_key_alias)
+        stem = sandbox.domain.removeprefix(DOMAIN_PREFIX)  # a claimed guest's files keep its name
+        return SandboxFiles.of(self.config, stem).keys(sandbox.host_key_alias)
 
     def _endpoint(self, record: SandboxRecord) -> guest.Endpoint:
         if record.ssh.port is None:
@@ -277,8 +289,9 @@ class SandboxManager:
         """Shut the guest down, disk and GPUs kept: its power button, then power off after
         ``grace`` seconds. Idempotent: a sandbox that does not run is left as it is."""
         check_timeout(grace, field="grace")
-        self.store.get(name)
-        power.stop(self.hypervisor, DOMAIN_PREFIX + name, grace=grace)
+        record, state = self.store.get(name)
+        power.check_powerable(record, state)
+        power.stop(self.hypervisor, record.domain, grace=grace)
         return self.store.view(*self.store.get(name))
 
     def start(
@@ -312,12 +325,12 @@ class SandboxManager:
         whatever is left of it is removed; NOT_FOUND only when nothing of it existed;
         FAILED_PRECONDITION naming what could not be removed."""
         validate_name(name)
-        files = SandboxFiles.of(self.config, name)
         found = self.store.lookup(name)
         if found is not None:  # stopped before the lock: a hung QEMU must not hold it
-            self.hypervisor.stop(DOMAIN_PREFIX + name)
-        with self._locked():  # looked up again: a create may have defined it meanwhile
+            self.hypervisor.stop(found[0].domain)
+        with self.locked():  # looked up again: a create may have defined it meanwhile
             found = self.store.lookup(name)
+            files = SandboxFiles.of(self.config, found[0].stem if found else name)
             if found is None and not files.existing():
                 raise NotFound(f"sandbox {name!r} does not exist", details={"name": name})
             record = found[0] if found else None
@@ -330,16 +343,8 @@ class SandboxManager:
         """Finish removing half-made sandboxes of this state directory and release fabric
         partitions whose sandbox is gone (reconcile.py); returns what was removed, the
         partitions released and what could not be fixed."""
-        with self._locked():
+        with self.locked():
             local = [
-                (record, state)
-                for record, state in self.store.all()
-                if record.keys == str(SandboxFiles.of(self.config, record.name).keys_dir)
+                (record, state) for record, state in self.store.all() if self.store.local(record)
             ]
             return reconcile_sandboxes(self.hypervisor, self.config, local).to_dict()
-
-
-def _host_cpus() -> dict[int, list[int]]:
-    from vmsandbox import passthrough
-
-    return passthrough.host_cpus_by_node()

@@ -20,9 +20,9 @@ from vmsandbox.hypervisor import Hypervisor
 from vmsandbox.process import ProcessIdentity
 from vmsandbox.progress import Progress
 from vmsandbox.record import (
-    DOMAIN_PREFIX,
     STATE_CREATING,
     STATE_FAILED,
+    STATE_POOLED,
     STATE_READY,
     STATE_STARTING,
     SandboxFiles,
@@ -43,6 +43,21 @@ def stop(hypervisor: Hypervisor, domain: str, *, grace: float) -> None:
         hypervisor.stop(domain)
 
 
+def check_powerable(record: SandboxRecord, state: str) -> None:
+    """FAILED_PRECONDITION for a sandbox still being created, and for a pooled guest nobody has
+    claimed (the pool keeps it running for a claim; ``pool drain`` removes it)."""
+    if state == STATE_CREATING:
+        raise FailedPrecondition(
+            f"sandbox {record.name!r} is still being created", details={"name": record.name}
+        )
+    if state == STATE_POOLED:
+        raise FailedPrecondition(
+            f"{record.name!r} is a guest of the warm pool, not a sandbox; "
+            "'vmsandbox pool drain' removes it",
+            details={"name": record.name},
+        )
+
+
 def start(hypervisor: Hypervisor, record: SandboxRecord, state: str) -> bool:
     """Start a sandbox that does not run; False when it runs already (nothing done).
 
@@ -50,11 +65,8 @@ def start(hypervisor: Hypervisor, record: SandboxRecord, state: str) -> bool:
     between the call and QEMU running). A refused start restores the record and state it had,
     and the error (FAILED_PRECONDITION with libvirt's words for a GPU that is gone) propagates.
     """
-    domain = DOMAIN_PREFIX + record.name
-    if state == STATE_CREATING:
-        raise FailedPrecondition(
-            f"sandbox {record.name!r} is still being created", details={"name": record.name}
-        )
+    domain = record.domain  # a claimed pooled guest's domain keeps the guest's name
+    check_powerable(record, state)
     if hypervisor.running(domain):
         return False
     starting = replace(record, failure=None, starter=ProcessIdentity.current())
@@ -86,8 +98,8 @@ def wait(
     ``failure``, and the error propagates; a failed verification is stored (ready, with its
     report) and raised as GuestVerificationFailed.
     """
-    domain = DOMAIN_PREFIX + record.name
-    files = SandboxFiles.of(config, record.name)
+    domain = record.domain
+    files = SandboxFiles.of(config, record.stem)
     limit = timeout or boot.boot_timeout(config.boot_timeout, record.memory_mib, len(record.gpus))
     watch = boot.BootWatch(hypervisor, record.name, domain, files)
     try:

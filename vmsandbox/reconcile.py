@@ -3,7 +3,8 @@
 Only sandboxes of this state directory are touched (their record names the keys folder kept
 here); a domain without a vmsandbox record naming it is never ours.
 
-Half-made: a domain still marked creating whose creator process is gone (``ProcessIdentity``:
+Half-made: a domain still marked creating whose creator process is gone (a create, a pool
+fill or a claim of a pooled guest) (``ProcessIdentity``:
 a reused pid or a reboot is not its creator); files with no domain; a stopped domain whose
 overlay, seed or keys are gone. A running domain whose files are gone is reported, not stopped.
 
@@ -52,8 +53,8 @@ def reconcile(
     known = set()
     for record, state in sandboxes:
         name = record.name
-        known.add(name)
-        files = SandboxFiles.of(config, name)
+        known.add(record.stem)  # a claimed pooled guest's files keep the guest's name
+        files = SandboxFiles.of(config, record.stem)
         creating = state == STATE_CREATING
         if creating and record.creator is not None and record.creator.alive():
             continue  # its creator is still at work

@@ -26,12 +26,14 @@ if TYPE_CHECKING:
     from vmsandbox.host.model import Gpu
 
 # 3: ``failure`` and ``starter`` (stop/start and readiness of the OpenShell driver).
-SCHEMA_VERSION = 3
+# 4: ``guest``, the pooled guest a sandbox was claimed from (state ``pooled``, pool.py).
+SCHEMA_VERSION = 4
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
 STATE_STARTED = "started"  # started without waiting for SSH (create(wait=False))
 STATE_READY = "ready"  # SSH accepted its key (and the GPUs were verified when asked)
+STATE_POOLED = "pooled"  # a booted guest of the warm pool, not claimed yet (pool.py)
 STATE_STARTING = "starting"  # started by power.start; ready once wait() saw SSH (and the GPUs)
 STATE_FAILED = "failed"  # started, but the guest did not come up; ``failure`` says why
 
@@ -126,7 +128,19 @@ class SandboxRecord:
     failure: dict[str, str] | None = None
     # State starting: the process that started it; while it lives the sandbox shows starting.
     starter: ProcessIdentity | None = None
+    # The pooled guest this sandbox was claimed from: its domain and files keep that guest's
+    # name (libvirt cannot rename a running domain). None: domain and files carry ``name``.
+    guest: str | None = None
     version: int = SCHEMA_VERSION
+
+    @property
+    def stem(self) -> str:
+        """The name the domain and the host files carry."""
+        return self.guest or self.name
+
+    @property
+    def domain(self) -> str:
+        return DOMAIN_PREFIX + self.stem
 
     @property
     def on_fabric(self) -> bool:
@@ -158,13 +172,14 @@ class SandboxRecord:
             "verification": self.verification,
             "failure": dict(self.failure) if self.failure else None,
             "starter": self.starter.to_dict() if self.starter else None,
+            "guest": self.guest,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SandboxRecord:
         """Read a stored record; version 1 (no ``version`` key) fills what it lacked, and so do
-        records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``) and
-        version 2 (no ``failure``, no ``starter``).
+        records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``),
+        version 2 (no ``failure``, no ``starter``) and version 3 (no ``guest``).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -209,6 +224,7 @@ class SandboxRecord:
                 {str(k): str(v) for k, v in failure.items()} if isinstance(failure, dict) else None
             ),
             starter=ProcessIdentity.from_dict(starter) if isinstance(starter, dict) else None,
+            guest=str(data["guest"]) if data.get("guest") else None,
             version=SCHEMA_VERSION,
         )
 
@@ -274,16 +290,19 @@ class SandboxFiles:
 
 
 def names_domain(data: dict[str, Any], domain: str) -> bool:
-    """A stored record is ours only if it names, with a valid name, the domain it is stored in:
-    its name becomes file paths, so a name that is not a sandbox name must never reach them."""
+    """A stored record is ours only if it names, with valid names, the domain it is stored in
+    (by its pooled guest's name when it has one, else by its own): those names become file
+    paths, so a name that is not a sandbox name must never reach them."""
     from vmsandbox.spec import validate_name
 
-    name = data.get("name")
+    name, guest = data.get("name"), data.get("guest")
     try:
         validate_name(name)
+        if guest is not None:
+            validate_name(guest, "guest")
     except InvalidArgument:
         return False
-    return domain == DOMAIN_PREFIX + str(name)
+    return domain == DOMAIN_PREFIX + str(guest or name)
 
 
 def prepare_state_dirs(config: Config) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from vmsandbox import guest
-from vmsandbox.record import DOMAIN_PREFIX, SandboxFiles, SandboxRecord
+from vmsandbox.record import SandboxFiles, SandboxRecord
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Sandbox:
         keys = files.keys(record.host_key_alias)
         return cls(
             name=record.name,
-            domain=DOMAIN_PREFIX + record.name,
+            domain=record.domain,
             state=state,
             image=record.image,
             cpus=record.cpus,

@@ -31,8 +31,9 @@ _RECONNECT_SECONDS = 2.0
 
 @dataclass(frozen=True)
 class DomainEvent:
-    """One change: the sandbox ``name`` (None: resend everything) and whether it was
-    undefined (gone)."""
+    """One change: the domain's name without ``vmsbx-`` (None: resend everything), which is
+    the sandbox's name, or a claimed pooled guest's (the manager finds its sandbox by it too),
+    and whether it was undefined (gone)."""
 
     name: str | None
     gone: bool = False

@@ -38,7 +38,7 @@ from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, sandbox_name, t
 from vmsandbox.openshell.status import MAIN_QUERY, MainProcess, main_process, snapshot
 from vmsandbox.openshell.supervisor import Supervisor
 from vmsandbox.openshell.tunnel import GatewayTunnels
-from vmsandbox.record import STATE_READY
+from vmsandbox.record import DOMAIN_PREFIX, STATE_READY
 from vmsandbox.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,9 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         self.tunnels = (
             GatewayTunnels(self._manager, self.supervisor.port) if self.supervisor else None
         )
-        self._ids: dict[str, str] = {}  # sandbox name -> gateway id, for deleted events
+        # domain name -> gateway id, for deleted events (a claimed pooled guest's domain is not
+        # named after its sandbox, and an undefined domain's record cannot be read any more)
+        self._ids: dict[str, str] = {}
         self._ids_lock = threading.Lock()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -76,7 +78,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def _remember(self, sandbox: Sandbox) -> None:
         if sandbox.labels.get(ID_LABEL):
             with self._ids_lock:
-                self._ids[sandbox.name] = sandbox.labels[ID_LABEL]
+                self._ids[sandbox.domain] = sandbox.labels[ID_LABEL]
 
     def _snapshot(self, manager: SandboxManager, sandbox: Sandbox) -> pb.DriverSandbox:
         self._remember(sandbox)
@@ -280,7 +282,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             return
         if event.gone:
             with self._ids_lock:
-                sandbox_id = self._ids.get(event.name)
+                sandbox_id = self._ids.get(DOMAIN_PREFIX + event.name)
             if sandbox_id:
                 yield pb.WatchSandboxesEvent(
                     deleted=pb.WatchSandboxesDeletedEvent(sandbox_id=sandbox_id)

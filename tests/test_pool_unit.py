@@ -1,0 +1,261 @@
+"""The warm pool's logic against the in-memory hypervisor (tests/fake_hypervisor.py): the
+``[pool]`` table and its caps, how a pooled guest is found, shown, drained and reconciled, and
+which creates claim one. Files are real, guests are not: a claim that needs the guest's SSH
+fails here, which is the path where the half-claimed guest must be removed. test_pool.py boots
+real guests for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fake_hypervisor import FakeHypervisor
+
+from vmsandbox import lifecycle, warmpool
+from vmsandbox.config import Config
+from vmsandbox.errors import FailedPrecondition, InvalidArgument, VmSandboxError
+from vmsandbox.manager import SandboxManager
+from vmsandbox.pool import PoolShape, parse_table
+from vmsandbox.record import names_domain
+from vmsandbox.spec import SandboxSpec
+
+IMAGE_ID = "00000000000000aa"
+SHAPE = {"image": "tiny", "memory_mib": 256, "disk_gib": 1, "count": 1}
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Config:
+    """A state directory, an image store holding ``tiny``, and a pool of one ``tiny`` guest."""
+    build = tmp_path / "images" / "tiny" / IMAGE_ID
+    build.mkdir(parents=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", str(build / "disk.qcow2"), "16M"], check=True
+    )
+    meta = {"kind": "import", "name": "tiny", "id": IMAGE_ID, "virtual_size": 16 * 2**20}
+    (build / "meta.json").write_text(json.dumps(meta))
+    (build.parent / "current").symlink_to(IMAGE_ID)
+    return Config.load(
+        path="/nonexistent",
+        uri="test:///fake",
+        state_dir=tmp_path / "state",
+        image_dir=tmp_path / "images",
+        virt_type="qemu",
+        pool={"small": SHAPE},
+    )
+
+
+@pytest.fixture
+def hv() -> FakeHypervisor:
+    return FakeHypervisor()
+
+
+@pytest.fixture
+def manager(config: Config, hv: FakeHypervisor) -> Iterator[SandboxManager]:
+    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
+        yield mgr
+
+
+def pooled_guest(manager: SandboxManager) -> str:
+    """A pooled guest made by the fill steps, without waiting for SSH (there is no guest)."""
+    shape = manager.config.pool[0]
+    spec = shape.spec()
+    assert spec.name is not None
+    creation = manager.pool.creation(spec, spec.name, manager.images.get("tiny"), print)
+    creation.wait = False
+    creation.room = lambda: True
+    lifecycle.run(warmpool.FILL_STEPS, creation, manager.locked, manager.checkpoint)
+    return spec.name
+
+
+def everything(config: Config, hv: FakeHypervisor) -> list[str]:
+    """Every domain and every file of the state directory."""
+    files = [str(path) for folder in (config.disks, config.sandboxes) for path in folder.iterdir()]
+    return sorted(hv.domains) + files
+
+
+def test_a_count_names_the_image_and_a_table_names_a_shape() -> None:
+    shapes = parse_table({"minimal": 2, "big": {"image": "minimal", "cpus": 2, "count": 1}})
+    assert shapes == (
+        PoolShape("minimal", "minimal", 1, 1024, 4, 2),
+        PoolShape("big", "minimal", 2, 1024, 4, 1),
+    )
+
+
+@pytest.mark.parametrize(
+    ("table", "field"),
+    [
+        ({"minimal": "two"}, "pool.minimal"),
+        ({"minimal": -1}, "pool.minimal.count"),
+        ({"big": {"image": "minimal", "gpus": 1}}, "pool.big.gpus"),
+        ({"big": {"image": "minimal", "cpus": 0}}, "pool.big.cpus"),
+        ({"minimal": 1, "again": {"image": "minimal"}}, "pool.again"),
+    ],
+)
+def test_a_bad_pool_entry_names_its_field(table: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        parse_table(table)
+    assert caught.value.details["field"] == field
+
+
+def test_the_pool_stays_within_the_caps(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="over this host's cap") as caught:
+        Config.load(
+            path="/nonexistent",
+            state_dir=tmp_path,
+            max_memory_mib=2048,
+            pool={"big": {"image": "minimal", "memory_mib": 4096}},
+        )
+    assert caught.value.details == {"field": "pool.big.memory_mib", "value": 4096, "max": 2048}
+
+
+def test_the_pool_table_is_read_from_the_config_file(tmp_path: Path) -> None:
+    file = tmp_path / "config.toml"
+    file.write_text('[pool]\nminimal = 2\n[pool.big]\nimage = "minimal"\nmemory_mib = 2048\n')
+    assert [shape.key for shape in Config.load(file).pool] == ["minimal", "big"]
+
+
+def test_pool_names_are_kept_for_the_pool(manager: SandboxManager) -> None:
+    with pytest.raises(InvalidArgument, match="kept for the warm pool") as caught:
+        manager.create(SandboxSpec(name="pool-mine", image="tiny"), wait=False)
+    assert caught.value.details["field"] == "name"
+
+
+def test_a_pooled_guest_is_the_pools_not_a_sandbox(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    guest = pooled_guest(manager)
+    assert hv.domains[f"vmsbx-{guest}"].state == "pooled"
+    assert manager.list() == []
+    (shape,) = manager.pool.show()
+    assert shape["ready"] == 1 and shape["guests"] == [{"name": guest, "state": "pooled"}]
+
+
+def test_a_spec_the_pool_does_not_match_boots_cold(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    guest = pooled_guest(manager)
+    other = SandboxSpec(name="cold", image="tiny", memory_mib=512, disk_gib=1)
+    sandbox = manager.create(other, wait=False)
+    assert sandbox.domain == "vmsbx-cold"
+    assert hv.domains[f"vmsbx-{guest}"].state == "pooled"  # left for a spec of its shape
+
+
+def test_a_create_finding_no_ready_guest_boots_cold(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    hit = SandboxSpec(name="cold", image="tiny", memory_mib=256, disk_gib=1)
+    sandbox = manager.create(hit, wait=False)
+    assert sandbox.domain == "vmsbx-cold" and sorted(hv.domains) == ["vmsbx-cold"]
+
+
+def test_a_claim_that_fails_removes_the_guest_it_took(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    """The guest's sshd is not there: the claim's hostname step fails; the half-claimed guest
+    is taken apart (it never goes back to the pool) and nothing is left."""
+    pooled_guest(manager)
+    stages: list[str] = []
+    manager.checkpoint = stages.append
+    with pytest.raises(VmSandboxError):
+        manager.create(SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1))
+    assert stages[:3] == ["locked", "reserve", "claim"]
+    assert everything(config, hv) == []
+
+
+def test_a_claimed_guest_is_found_by_its_sandbox_name(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    """A claim killed after its claim step: the record names the sandbox, the domain and the
+    files keep the guest's name; get, list and destroy find it by the sandbox's name."""
+    guest = pooled_guest(manager)
+    dom = hv.domains[f"vmsbx-{guest}"]
+    assert dom.data is not None
+    dom.data.update(name="hit", guest=guest)
+    dom.state = "ready"
+    sandbox = manager.get("hit")
+    assert sandbox.domain == f"vmsbx-{guest}" and sandbox.key_file.parent.name == guest
+    assert [s.name for s in manager.list()] == ["hit"] and manager.pool.show()[0]["guests"] == []
+    manager.destroy("hit")
+    assert everything(config, hv) == []
+
+
+def test_stop_and_start_of_a_claimed_sandbox_act_on_its_guests_domain(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    """power.py finds a claimed sandbox by its record: stop and start act on the pooled
+    guest's domain, and the record keeps the sandbox's name and its guest."""
+    guest = pooled_guest(manager)
+    dom = hv.domains[f"vmsbx-{guest}"]
+    assert dom.data is not None and dom.running
+    dom.data.update(name="hit", guest=guest)
+    dom.state = "ready"
+    assert manager.stop("hit", grace=0.1).state == "stopped" and not dom.running
+    started = manager.start("hit", wait=False)
+    assert (started.name, started.domain, started.state) == ("hit", f"vmsbx-{guest}", "starting")
+    assert dom.running and dom.data["guest"] == guest and dom.data["name"] == "hit"
+
+
+def test_a_pooled_guest_cannot_be_stopped_or_started_as_a_sandbox(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    guest = pooled_guest(manager)
+    for act in (manager.stop, manager.start):
+        with pytest.raises(FailedPrecondition, match="is a guest of the warm pool"):
+            act(guest)
+    assert hv.domains[f"vmsbx-{guest}"].running
+
+
+def test_reconcile_removes_a_half_claimed_or_half_filled_guest(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    dead = {"pid": 1, "start": "0", "boot": "another boot"}
+    claimed, filling = pooled_guest(manager), pooled_guest(manager)
+    for guest, name in ((claimed, "hit"), (filling, filling)):
+        dom = hv.domains[f"vmsbx-{guest}"]
+        assert dom.data is not None
+        dom.data.update(name=name, guest=guest if name != guest else None, creator=dead)
+        dom.state = "creating"
+    assert sorted(manager.reconcile()["removed"]) == sorted(["hit", filling])
+    assert everything(config, hv) == []
+
+
+def test_drain_removes_every_unclaimed_guest(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    guests = sorted([pooled_guest(manager), pooled_guest(manager)])
+    assert sorted(manager.pool.drain()) == guests
+    assert everything(config, hv) == []
+
+
+def test_a_claimed_record_is_ours_only_in_its_guests_domain() -> None:
+    claimed = {"name": "hit", "guest": "pool-1234"}
+    assert names_domain(claimed, "vmsbx-pool-1234")
+    assert not names_domain(claimed, "vmsbx-hit")
+    assert not names_domain({"name": "hit", "guest": "../etc"}, "vmsbx-../etc")
+
+
+def test_a_fill_replaces_guests_of_an_older_image_build(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    """A rebuilt image: no create claims the old build's guests, so a fill removes them and
+    counts only guests of the current build (the new one is not waited for here)."""
+    old = pooled_guest(manager)
+    dom = hv.domains[f"vmsbx-{old}"]
+    assert dom.data is not None
+    dom.data["image_id"] = "00000000000000bb"
+
+    class Stop(Exception):
+        """Ends the fill once its new guest is defined (there is no guest to wait for)."""
+
+    def stop_at_define(stage: str) -> None:
+        if stage == "define":
+            raise Stop(stage)
+
+    manager.checkpoint = stop_at_define
+    with pytest.raises(Stop):
+        manager.pool.fill()
+    assert everything(config, hv) == []  # the old guest removed, the new one undone

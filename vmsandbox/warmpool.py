@@ -1,0 +1,285 @@
+"""The warm pool at work: filling it, claiming a guest from it, showing and draining it.
+
+pool.py says what a shape is; this module boots pooled guests and hands them out, through two
+lifecycle paths of their own: ``FILL_STEPS`` make a pooled guest (the create steps behind a
+locked check that the shape's pool has room, ending in state ``pooled``), and ``CLAIM_STEPS``
+turn a pooled guest into the sandbox (a locked step that takes one and rewrites its record,
+then its hostname over SSH). Both leave a record in state ``creating`` while they work, so a
+killed fill or claim is taken apart by reconcile like a killed create. Pooled guests hold no
+GPU, so the fabric step of a fill has nothing to do and a claim has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from vmsandbox import guest, lifecycle, virt
+from vmsandbox.errors import FailedPrecondition, NotFound
+from vmsandbox.guest import Endpoint
+from vmsandbox.pool import NoPooledGuest, PoolFull, PoolShape, is_pool_guest
+from vmsandbox.process import ProcessIdentity
+from vmsandbox.record import STATE_CREATING, STATE_POOLED, SandboxFiles, SandboxRecord
+
+if TYPE_CHECKING:
+    from vmsandbox.images import BaseImage
+    from vmsandbox.manager import SandboxManager
+    from vmsandbox.progress import Progress
+    from vmsandbox.sandbox import Sandbox
+    from vmsandbox.spec import SandboxSpec
+
+
+# -- the steps ----------------------------------------------------------------------------------
+
+
+def _room(c: lifecycle.Creation) -> None:
+    """Fill: stop when the shape's pool is full (guests still booting count)."""
+    if not c.room():
+        raise PoolFull(c.spec.image)
+
+
+def _settle(c: lifecycle.Creation) -> None:
+    """Fill: wait until the guest's boot has finished (late units such as cloud-init's last
+    stages hold its vCPU): a claim then finds an idle guest that answers at once."""
+    if not c.wait:
+        return
+    assert c.record is not None and c.endpoint is not None  # made by define and wait
+    keys = c.files.keys(c.record.host_key_alias)
+    command = "command -v systemctl >/dev/null && systemctl is-system-running --wait"
+    guest.run(c.endpoint, keys, f"{command} >/dev/null 2>&1; true", timeout=c.timeout or 300)
+
+
+def _pooled(c: lifecycle.Creation) -> None:
+    """Fill: the guest answered SSH; it is ready to be claimed."""
+    assert c.record is not None  # made by the define step
+    c.state = STATE_POOLED
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
+
+
+def _claim(c: lifecycle.Creation) -> None:
+    """Take a ready pooled guest of the spec's shape and make it this sandbox: its record gets
+    the sandbox's name, labels and creator (state creating until the hostname is set)."""
+    found = c.take_pooled()
+    if found is None:
+        raise NoPooledGuest(c.spec.image)
+    c.files = SandboxFiles.of(c.config, found.stem)  # from here on undos remove that guest
+    c.record = replace(
+        found,
+        name=c.name,
+        guest=found.stem,
+        labels=dict(c.spec.labels),
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        creator=ProcessIdentity.current(),
+    )
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING)
+
+
+def _hostname(c: lifecycle.Creation) -> None:
+    """Give the claimed guest the sandbox's name as its hostname (over SSH, with sudo)."""
+    assert c.record is not None  # made by the claim step
+    ssh = c.record.ssh
+    assert ssh.port is not None  # pooled guests were waited for: their endpoint is known
+    c.endpoint = Endpoint(ssh.host, ssh.port, ssh.user)
+    # One sudo, /etc/hosts first: sudo looks up the host's name, and a name missing from
+    # /etc/hosts goes to DNS, which a sandbox without outbound network waits out.
+    script = (
+        f"sed -i '/^127\\.0\\.1\\.1[[:space:]]/d' /etc/hosts && "
+        f"echo '127.0.1.1 {c.name}' >> /etc/hosts && "
+        f"echo {c.name} > /etc/hostname && hostname {c.name}"
+    )
+    command = f"sudo sh -c {shlex.quote(script)}"
+    started = time.monotonic()
+    result = guest.run(c.endpoint, c.files.keys(c.record.host_key_alias), command, timeout=60)
+    if result.exit_status != 0:
+        raise FailedPrecondition(
+            f"setting the hostname of sandbox {c.name!r} in pooled guest {c.files.name!r} "
+            f"failed (exit {result.exit_status}): {result.stderr.strip()}",
+            details={"name": c.name, "guest": c.files.name},
+        )
+    c.boot_seconds = round(time.monotonic() - started, 3)
+
+
+def _remove_guest(r: lifecycle.Remains) -> None:
+    r.hypervisor.stop(r.domain)
+    r.hypervisor.undefine(r.domain)
+    r.files.remove()
+
+
+def _create_step(name: str) -> lifecycle.Step:
+    return next(step for step in lifecycle.CREATE_STEPS if step.name == name)
+
+
+# A pooled guest: the create steps (no GPU to verify) behind the room check, ending in "pooled".
+FILL_STEPS: tuple[lifecycle.Step, ...] = (
+    lifecycle.Step("room", _room, locked=True),
+    *(step for step in lifecycle.CREATE_STEPS if step.name not in ("verify", "ready")),
+    lifecycle.Step("settle", _settle),
+    lifecycle.Step("pooled", _pooled),
+)
+# Claiming a pooled guest. Its undo removes the guest: a half-claimed guest never goes back.
+CLAIM_STEPS: tuple[lifecycle.Step, ...] = (
+    _create_step("reserve"),
+    lifecycle.Step("claim", _claim, _remove_guest, locked=True),
+    lifecycle.Step("hostname", _hostname),
+    _create_step("ready"),
+)
+
+
+# -- the pool of one manager ----------------------------------------------------------------------
+
+
+class WarmPool:
+    """The ``[pool]`` shapes of a manager's configuration and their guests in its libvirt."""
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self.manager = manager
+        self.config = manager.config
+
+    def creation(
+        self, spec: SandboxSpec, name: str, image: BaseImage, say: Progress
+    ) -> lifecycle.Creation:
+        """A pool path's creation (fill or claim): no GPUs, waited for."""
+        m = self.manager
+        return lifecycle.Creation(
+            hypervisor=m.hypervisor,
+            name=name,
+            files=SandboxFiles.of(self.config, name),
+            config=self.config,
+            spec=spec,
+            image=image,
+            virt_type=virt.for_sandbox(spec.virt_type, self.config, image.kernel, say),
+            progress=say,
+            exists=lambda n: m.store.lookup(n) is not None,
+            allocate=lambda: None,  # pooled guests hold no GPU
+            free_port=m.store.free_port,
+            host_cpus=dict,  # CPUs are pinned next to GPUs; a pooled guest has none
+            verify=False,
+        )
+
+    def claim(
+        self, spec: SandboxSpec, name: str, image: BaseImage, say: Progress
+    ) -> Sandbox | None:
+        """Claim a ready pooled guest of the spec's shape as sandbox ``name``; None when the
+        spec has no shape or none of its guests is ready (the caller boots cold)."""
+        shape = next((shape for shape in self.config.pool if shape.fits(spec)), None)
+        if shape is None:
+            return None
+        m = self.manager
+        creation = self.creation(spec, name, image, say)
+
+        def take() -> SandboxRecord | None:
+            for record, state in self.guests():
+                if (
+                    state == STATE_POOLED
+                    and shape.holds(record)
+                    and record.image_id == image.id
+                    and record.virt_type == creation.virt_type
+                ):
+                    return record
+            return None
+
+        creation.take_pooled = take
+        try:
+            lifecycle.run(CLAIM_STEPS, creation, m.locked, m.checkpoint)
+        except NoPooledGuest:
+            say(f"no pooled guest of shape {shape.key!r} is ready; booting one")
+            return None
+        assert creation.record is not None  # made by the claim step
+        sandbox = m.store.view(creation.record, creation.state)
+        sandbox.boot_seconds = creation.boot_seconds
+        say(f"sandbox {name} is {creation.state} (pooled guest {creation.files.name})")
+        return sandbox
+
+    def refill_in_background(self) -> None:
+        """Start ``vmsandbox pool fill`` as a process of its own (not waited for; it outlives
+        this one). Its output goes to ``pool-fill.log`` in the state directory."""
+        env = {
+            "VMSANDBOX_URI": self.config.uri,
+            "VMSANDBOX_STATE_DIR": str(self.config.state_dir),
+            "VMSANDBOX_IMAGE_DIR": str(self.config.images),
+        }
+        with open(self.config.state_dir / "pool-fill.log", "ab") as out:
+            subprocess.Popen(
+                [sys.executable, "-m", "vmsandbox.cli", "pool", "fill"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                env={**os.environ, **env},
+            )
+
+    def show(self) -> list[dict[str, Any]]:
+        """Each ``[pool]`` shape with its wanted count and its guests (name, state)."""
+        guests = self.guests()
+        shown = []
+        for shape in self.config.pool:
+            mine = [(r, s) for r, s in guests if shape.holds(r)]
+            shown.append(
+                {
+                    **shape.to_dict(),
+                    "ready": sum(1 for _r, state in mine if state == STATE_POOLED),
+                    "guests": [{"name": r.name, "state": state} for r, state in mine],
+                }
+            )
+        return shown
+
+    def guests(self) -> list[tuple[SandboxRecord, str]]:
+        """This state directory's unclaimed pooled guests."""
+        store = self.manager.store
+        return [(r, s) for r, s in store.all() if is_pool_guest(r) and store.local(r)]
+
+    def fill(self, *, progress: Progress | None = None, poll: float = 1.0) -> list[str]:
+        """Boot pooled guests until every shape has its count ready; wait for guests other
+        processes are booting. Returns the names of the guests this call made."""
+        say = progress or self.manager.progress
+        made: list[str] = []
+        while True:
+            for shape in self.config.pool:
+                made += self._fill_shape(shape, say)
+            if not any(state == STATE_CREATING for _r, state in self.guests()):
+                return made
+            self.manager.reconcile()  # a filler that died leaves a guest to remove
+            time.sleep(poll)
+
+    def _fill_shape(self, shape: PoolShape, say: Progress) -> list[str]:
+        """Boot guests of ``shape`` one after the other until its pool is full. Ready guests
+        of an older build of the image are removed first: no create would claim them."""
+        m = self.manager
+        image = m.images.get(shape.image)
+        made = []
+        for record, state in self.guests():
+            if state == STATE_POOLED and shape.holds(record) and record.image_id != image.id:
+                say(f"removing pooled guest {record.name}: image {record.image_id} was rebuilt")
+                with contextlib.suppress(NotFound):  # claimed or removed meanwhile
+                    m.destroy(record.name)
+
+        def room() -> bool:
+            held = [r for r, _s in self.guests() if shape.holds(r) and r.image_id == image.id]
+            return len(held) < shape.count
+
+        while True:
+            spec = shape.spec()
+            assert spec.name is not None
+            creation = self.creation(spec, spec.name, image, say)
+            creation.room = room
+            try:
+                lifecycle.run(FILL_STEPS, creation, m.locked, m.checkpoint)
+            except PoolFull:
+                return made
+            say(f"pooled guest {spec.name} is ready")
+            made.append(spec.name)
+
+    def drain(self) -> list[str]:
+        """Remove every unclaimed pooled guest (ready or booting); returns their names."""
+        removed = []
+        for record, _state in self.guests():
+            with contextlib.suppress(NotFound):  # claimed or removed meanwhile
+                self.manager.destroy(record.name)
+                removed.append(record.name)
+        return removed
