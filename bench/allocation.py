@@ -47,20 +47,13 @@ def add_hostdevs(root: etree._Element, bdfs: Sequence[str]) -> None:
     """A ``DomainPlan.extra``: one managed PCI ``<hostdev>`` per BDF."""
     from lxml import etree
 
+    from vmsandbox.host.bdf import libvirt_address
+
     devices = root.find("devices")
     for bdf in bdfs:
-        domain, bus, slot_function = bdf.split(":")
-        slot, function = slot_function.split(".")
         hostdev = etree.SubElement(devices, "hostdev", mode="subsystem", type="pci", managed="yes")
         source = etree.SubElement(hostdev, "source")
-        etree.SubElement(
-            source,
-            "address",
-            domain=f"0x{domain}",
-            bus=f"0x{bus}",
-            slot=f"0x{slot}",
-            function=f"0x{function}",
-        )
+        etree.SubElement(source, "address", **libvirt_address(bdf))
 
 
 class Worker:

@@ -28,6 +28,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from conftest_host import umockdev_run  # noqa: E402
 
+from vmsandbox.tables import render_grid  # noqa: E402
+
 HOST = "bench_200"
 RESULTS = REPO / "bench" / "results" / "inventory.json"
 DISCOVER_TARGET_MS = 20.0
@@ -125,14 +127,10 @@ def table(report: dict[str, Any]) -> str:
         )
         for result in report["results"]
     ]
-    widths = [max(len(row[col]) for row in [header, *rows]) for col in range(len(header))]
     lines = [
         f"{report['host']}: {report['pci_devices']} PCI devices, {report['gpus']} GPUs, "
         f"{report['fabric']} fabric devices; {report['rounds']} rounds after a warm-up",
-        *(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-            for row in [header, *rows]
-        ),
+        *render_grid(header, rows),
     ]
     return "\n".join(lines)
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vmsandbox.tables import render_grid
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 VMSANDBOX = str(Path(sys.executable).parent / "vmsandbox")
@@ -251,50 +253,52 @@ class HandMade:
 
 
 def hand_made(folder: Path, name: str, *, cpus: int = 1, memory_mib: int = 1024) -> HandMade:
-    """Overlay, keys and seed as vmsandbox makes them, and the domain XML vmsandbox's
-    ``build_domain_xml`` writes for them, under a name of ours (no ``vmsbx-``: not a sandbox)."""
-    from vmsandbox import domain
+    """Overlay, keys and seed as vmsandbox makes them, and the domain vmsandbox's planner
+    (``vmsandbox.plan``) makes for them, under a name of ours (no ``vmsbx-``: not a sandbox)."""
+    from dataclasses import replace
+
+    from vmsandbox import domain, plan
     from vmsandbox.config import Config
     from vmsandbox.images import ImageStore, make_overlay
     from vmsandbox.keys import SandboxKeys
+    from vmsandbox.record import SandboxFiles
     from vmsandbox.seed import network_config, write_seed
+    from vmsandbox.spec import SandboxSpec
 
     _check_ours(name)
+    config = Config(image_dir=IMAGES, virt_type="qemu")
     image = ImageStore(IMAGES).get(IMAGE)
-    user = Config().ssh_user
-    overlay, seed = folder / f"{name}.qcow2", folder / f"{name}-seed.iso"
-    keys_dir, console = folder / f"{name}-keys", folder / f"{name}.console.log"
+    files = SandboxFiles(
+        name=name,
+        overlay=folder / f"{name}.qcow2",
+        seed=folder / f"{name}-seed.iso",
+        nvram=folder / f"{name}-vars.fd",
+        keys_dir=folder / f"{name}-keys",
+        console_log=folder / f"{name}.console.log",
+        qemu_log=None,
+    )
+    spec = SandboxSpec(image=IMAGE, cpus=cpus, memory_mib=memory_mib, disk_gib=DISK_GIB)
+    port = free_port()
+    planned = plan.plan(
+        spec, name=name, config=config, image=image, virt_type="qemu", port=port, files=files
+    )
     xml = folder / f"{name}.xml"
-    files = (overlay, seed, keys_dir, console, xml)
-    make_overlay(image.disk, overlay, DISK_GIB)
-    keys, client, host = SandboxKeys.create(keys_dir, name)
+    make_overlay(image.disk, files.overlay, DISK_GIB)
+    keys, client, host = SandboxKeys.create(files.keys_dir, name)
     write_seed(
-        seed,
+        files.seed,
         instance_id=str(uuid.uuid4()),
         hostname=name,
-        user=user,
+        user=config.ssh_user,
         client=client,
         host=host,
-        network=network_config(domain.DomainPlan.mac, user_net=True),
+        network=network_config(planned.record.mac, user_net=True),
     )
-    port = free_port()
-    plan = domain.DomainPlan(
-        domain_name=name,
-        uuid=str(uuid.uuid4()),
-        virt_type="qemu",
-        cpus=cpus,
-        memory_mib=memory_mib,
-        overlay=overlay,
-        seed=seed,
-        console_log=console,
-        record={},
-        kernel=image.kernel,
-        initrd=image.initrd,
-        cmdline=image.cmdline,
-        ssh_port=port,
+    xml.write_text(domain.build_domain_xml(replace(planned.domain, domain_name=name)))
+    made = (files.overlay, files.seed, files.keys_dir, files.console_log, xml)
+    return HandMade(
+        name, xml, port, config.ssh_user, keys.client_key, keys.known_hosts, files.console_log, made
     )
-    xml.write_text(domain.build_domain_xml(plan))
-    return HandMade(name, xml, port, user, keys.client_key, keys.known_hosts, console, files)
 
 
 def remove_hand_made(made: HandMade) -> None:
@@ -498,12 +502,8 @@ def fmt_time(seconds: float, unit: str) -> str:
 
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain text table, columns padded to their widest cell."""
-    widths = [max(len(row[i]) for row in (headers, *rows)) for i in range(len(headers))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in (headers, *rows)
-    )
+    """A plain text table, columns padded to their widest cell (vmsandbox's own renderer)."""
+    return "\n".join(render_grid(headers, rows))
 
 
 def comparison_rows(comparison: Comparison) -> list[tuple[str, str, str]]:

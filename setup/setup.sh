@@ -60,6 +60,9 @@ if [ ! -x "$VENV/bin/python" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[test]'
   touch "$stamp"
 fi
+# The gRPC stubs of the OpenShell driver are generated, never committed; the editable install
+# uses the source tree, so they are made there (cheap: protoc runs in a second).
+"$VENV/bin/python" setup/gen_proto.py .
 
 for image in $IMAGES; do
   "$VENV/bin/vmsandbox" images build "$image"

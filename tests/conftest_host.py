@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vmsandbox.host.model import Bar, FabricDevice, Gpu, Inventory
 from vmsandbox.host.nvml import NvmlError
 
 HOSTS = Path(__file__).resolve().parent / "fixtures" / "hosts"
@@ -33,8 +34,8 @@ class FakeNvml:
 
     ``spec``: ``{"init_error": str}`` to fail at init, ``{"count_error": str}`` to fail when
     counting devices, or ``{"devices": [...]}`` where each device is
-    ``{"bus_id", "name", "memory_mib", "uuid", "pids"}`` (``"pids"`` may be an error string)
-    or ``{"error": str}``.
+    ``{"bus_id", "name", "memory_mib", "uuid", "pids"}`` (``"memory_mib"`` and ``"pids"`` may
+    be an error string) or ``{"error": str}``.
     """
 
     def __init__(self, spec: dict[str, Any]) -> None:
@@ -67,7 +68,10 @@ class FakeNvml:
         return self._device(index)["name"]
 
     def memory_total(self, index: int) -> int:
-        return self._device(index)["memory_mib"] * MIB
+        memory = self._device(index)["memory_mib"]
+        if isinstance(memory, str):
+            raise NvmlError(memory)
+        return memory * MIB
 
     def uuid(self, index: int) -> str:
         return self._device(index)["uuid"]
@@ -114,6 +118,32 @@ def probe(host: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+def inventory_from_dict(data: dict[str, Any]) -> Inventory:
+    """An ``Inventory`` back from ``Inventory.to_dict()`` (what ``probe`` returns per case)."""
+    host = data["host"]
+    gpus = tuple(
+        Gpu(
+            **{
+                **gpu,
+                **{key: tuple(gpu[key]) for key in ("group_members", "companions", "reasons")},
+                "companion_ids": tuple(tuple(pair) for pair in gpu["companion_ids"]),
+                "bars": tuple(Bar(**bar) for bar in gpu["bars"]),
+                "drm_cards": tuple(gpu["drm_cards"]),
+            }
+        )
+        for gpu in data["gpus"]
+    )
+    return Inventory(
+        gpus=gpus,
+        fabric=tuple(FabricDevice(**device) for device in data["fabric"]),
+        iommu=host["iommu"],
+        pci_devices=host["pci_devices"],
+        nvml=host["nvml"],
+        notes=tuple(host["notes"]),
+        unified_memory_mib=host["unified_memory_mib"],
+    )
 
 
 def _main() -> None:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from conftest_host import probe
+from conftest_host import inventory_from_dict, probe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +26,7 @@ from vmsandbox.errors import (
 )
 from vmsandbox.gpuquery import memory_satisfies, model_matches
 from vmsandbox.host.discover import IOMMU_OFF
-from vmsandbox.host.model import Bar, FabricDevice, Gpu, Inventory
+from vmsandbox.host.model import Gpu, Inventory
 from vmsandbox.spec import GpuRequest
 
 HOSTS = [
@@ -41,33 +41,6 @@ H100_UUID = "GPU-5f0c2a9e-41d3-4b7e-9c1a-0123456789ab"
 # HGX: node 0 has switches 16 (18, 19) and 3f (41, 42); node 1 has 98 (9a, 9b) and bf (c1, c2)
 HGX = [f"0000:{bus}:00.0" for bus in ("18", "19", "41", "42", "9a", "9b", "c1", "c2")]
 CODES = {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}
-
-
-def gpu_from_dict(data: dict[str, Any]) -> Gpu:
-    """A ``Gpu`` back from ``Gpu.to_dict()``."""
-    return Gpu(
-        **{
-            **data,
-            "group_members": tuple(data["group_members"]),
-            "companions": tuple(data["companions"]),
-            "companion_ids": tuple(tuple(pair) for pair in data["companion_ids"]),
-            "bars": tuple(Bar(**bar) for bar in data["bars"]),
-            "reasons": tuple(data["reasons"]),
-        }
-    )
-
-
-def inventory_from_dict(data: dict[str, Any]) -> Inventory:
-    """An ``Inventory`` back from ``Inventory.to_dict()``."""
-    host = data["host"]
-    return Inventory(
-        gpus=tuple(gpu_from_dict(gpu) for gpu in data["gpus"]),
-        fabric=tuple(FabricDevice(**device) for device in data["fabric"]),
-        iommu=host["iommu"],
-        pci_devices=host["pci_devices"],
-        nvml=host["nvml"],
-        notes=tuple(host["notes"]),
-    )
 
 
 def discover_hosts(cases: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Inventory]:
@@ -249,7 +222,7 @@ def test_named_device_failing_a_filter(hosts: dict[str, Inventory]) -> None:
         "field": "model",
         "filtered_out": {
             "0000:18:00.0": {
-                "model": "its name 'GH100[H100 SXM5 80GB]' does not match 'A100'",
+                "model": "its name 'GH100 [H100 SXM5 80GB]' does not match 'A100'",
                 "min_memory_mib": "it has 81559 MiB, 100000 MiB asked",
             }
         },

@@ -1,4 +1,8 @@
-"""CLI --gpu* flags -> GpuRequest."""
+"""CLI --gpu* flags -> GpuRequest.
+
+``--gpu [COUNT]`` follows NVIDIA/OpenShell main (2f7fb655) crates/openshell-cli/src/main.rs
+``parse_gpu_request``; ``--gpu-count`` and ``--gpu-device`` are the earlier spec's aliases.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,10 @@ A, B = "0000:41:00.0", "0000:c1:00.0"
         ({"gpu_count": 2}, GpuRequest(count=2)),
         ({"gpu": 2, "gpu_count": 2}, GpuRequest(count=2)),
         ({"gpu_devices": ["41:00.0", "pci_0000_c1_00_0"]}, GpuRequest(devices=(A, B))),
+        (
+            {"gpu_devices": ["GPU-3F5A9C0E71B2D486", "card1"], "gpu_vendor": "amd"},
+            GpuRequest(devices=("GPU-3f5a9c0e71b2d486", "card1"), vendor="amd"),
+        ),
         ({"gpu": 1, "gpu_devices": [A]}, GpuRequest(count=1, devices=(A,))),
         ({"gpu_count": 2, "gpu_devices": [A, B]}, GpuRequest(count=2, devices=(A, B))),
         ({"gpu_all": True}, GpuRequest(all=True)),
@@ -75,16 +83,36 @@ def test_rejected(flags: dict, field: str, says: str) -> None:
     assert says in err.message
 
 
-@pytest.mark.parametrize(("text", "count"), [("1", 1), ("8", 8), (" 2 ", 2), ("02", 2)])
+# parse_gpu_request: u32::from_str, then "GPU count must be greater than 0"
+@pytest.mark.parametrize(
+    ("text", "count"),
+    [("1", 1), ("8", 8), ("02", 2), ("+2", 2), ("4294967295", 2**32 - 1), ("0" * 20 + "3", 3)],
+)
 def test_parse_gpu_flag_value(text: str, count: int) -> None:
     assert parse_gpu_flag_value(text) == count
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "+2", "1_0", "1.5", "", "two", "\u0663", "all"])
-def test_parse_gpu_flag_value_rejected(text: str) -> None:
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("0", "greater than 0"),
+        ("-1", "positive integer"),
+        ("4294967296", "positive integer"),
+        (" 2 ", "positive integer"),
+        ("1_0", "positive integer"),
+        ("1.5", "positive integer"),
+        ("", "positive integer"),
+        ("two", "positive integer"),
+        ("\u0663", "positive integer"),
+        ("all", "positive integer"),
+        ("9" * 5000, "positive integer"),
+    ],
+)
+def test_parse_gpu_flag_value_rejected(text: str, says: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
         parse_gpu_flag_value(text)
     assert caught.value.details["field"] == "--gpu"
+    assert says in caught.value.message and "--gpu" in caught.value.message
 
 
 def test_argparse_wiring() -> None:

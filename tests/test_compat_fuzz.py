@@ -35,7 +35,15 @@ json_values = st.recursive(
 # Shaped inputs: the platform's keys, each holding a plausible value three times in four and
 # anything at all otherwise, so both the accepting paths and the deeper checks get exercised.
 device_ids = st.sampled_from(
-    ["41:00.0", "0000:41:00.0", "pci_0000_c1_00_0", "GPU-0A1B2C3D-4E5F-6789-ABCD-EF0123456789", "3"]
+    [
+        "41:00.0",
+        "0000:41:00.0",
+        "pci_0000_c1_00_0",
+        "GPU-0A1B2C3D-4E5F-6789-ABCD-EF0123456789",
+        "GPU-3f5a9c0e71b2d486",  # ROCm
+        "card1",
+        "3",
+    ]
 )
 id_lists = st.lists(device_ids, min_size=1, max_size=3)
 
@@ -57,22 +65,32 @@ openshell_specs = optional_keys(
     gpu_device=mostly(device_ids),
     resource_requirements=mostly(
         optional_keys(
-            gpu=mostly(optional_keys(count=mostly(st.integers(0, 4)), device_ids=mostly(id_lists)))
+            gpu=mostly(optional_keys(count=mostly(st.one_of(st.integers(0, 4), st.just("2")))))
         )
     ),
-    driver_config=mostly(optional_keys(vm=mostly(optional_keys(gpu_device_ids=mostly(id_lists))))),
-    template=json_values,
+    template=mostly(
+        optional_keys(
+            driver_config=mostly(
+                optional_keys(vm=mostly(optional_keys(gpu_device_ids=mostly(id_lists))))
+            )
+        )
+    ),
 )
-limit_values = mostly(st.sampled_from(["1", " 2 ", "4", "all", "ALL", "0"]))
+limit_values = mostly(st.sampled_from(["1", " 2 ", "+4", "", "all", "ALL", "0", "1_0"]))
 opensandbox_limits = optional_keys(
     **{"gpu": limit_values, "nvidia.com/gpu": limit_values, "amd.com/gpu": limit_values}
 )
 flowmesh_blocks = optional_keys(
     count=mostly(st.integers(0, 4)),
     type=mostly(st.sampled_from(["H100", "a100-sxm4-80gb", "any", "", "*"])),
-    memory=mostly(st.sampled_from(["80Gi", "40GB", "1.5G", 0, 2**30, 2.0**34])),
+    memory=mostly(
+        st.sampled_from(["80Gi", "80 gib", "512mi", "1.5Gi", "80B", "1Pi", "", "0", 0, 2.0**34])
+    ),
 )
-tako_fields = {"count": mostly(st.integers(0, 17)), "device_ids": mostly(id_lists)}
+tako_fields = {
+    "count": mostly(st.integers(0, 17)),
+    "device_ids": mostly(st.one_of(id_lists, st.just([]))),
+}
 tako_blocks = st.one_of(
     optional_keys(
         enabled=mostly(st.booleans()),
@@ -129,6 +147,24 @@ def test_tako_fuzz(block: object) -> None:
     check(tako.gpu_request, block)
 
 
+legacy_tako_jobs = st.fixed_dictionaries(
+    {"name": st.just("job")},
+    optional={
+        "gpu": tako_blocks,
+        "gpu_enabled": mostly(st.booleans()),
+        "gpu_vendor": mostly(st.sampled_from(["nvidia", "amd"])),
+        "gpu_count": mostly(st.integers(0, 3)),
+        "gpu_device_ids": mostly(st.one_of(id_lists, st.just([]))),
+    },
+)
+
+
+@FUZZ
+@given(st.one_of(legacy_tako_jobs, legacy_tako_jobs, json_values))
+def test_tako_job_type_fuzz(job_type: object) -> None:
+    check(tako.job_type_gpu_request, job_type)
+
+
 @FUZZ
 @given(
     gpu=st.one_of(st.none(), st.none(), st.integers(-1, 4)),
@@ -144,21 +180,22 @@ def test_cliflags_fuzz(**flags: object) -> None:
 
 
 @FUZZ
-@given(st.text(max_size=12))
+@given(st.one_of(st.text(max_size=12), st.from_regex(r"\+?[0-9]{1,12}", fullmatch=True)))
 def test_parse_gpu_flag_value_fuzz(text: str) -> None:
     try:
         count = parse_gpu_flag_value(text)
     except InvalidArgument:
         return
-    assert count >= 1 and text.strip().isascii() and text.strip().isdigit()
+    assert 1 <= count < 2**32 and count == int(text)  # what Rust's u32 parser reads
 
 
 @FUZZ
 @given(st.integers(1, 10**6))
 def test_opensandbox_any_count_round_trips(count: int) -> None:
-    assert opensandbox.gpu_request({"gpu": str(count)}) == GpuRequest(count=count)
-    vendor = opensandbox.gpu_request({"amd.com/gpu": f" {count}", "gpu": str(count)})
-    assert vendor == GpuRequest(count=count, vendor="amd")
+    assert opensandbox.gpu_request({"gpu": str(count)}) == GpuRequest(count, vendor="nvidia")
+    vendor = opensandbox.gpu_request({"nvidia.com/gpu": f" {count}", "gpu": str(count)})
+    assert vendor == GpuRequest(count=count, vendor="nvidia")
+    assert opensandbox.gpu_request({"amd.com/gpu": str(count)}) == GpuRequest(count, vendor="amd")
 
 
 @FUZZ
@@ -177,11 +214,19 @@ def test_openshell_device_lists_in_any_order(
 ) -> None:
     canonical = [f"0000:{bus:02x}:{slot:02x}.{fn}" for bus, slot, fn in addresses]
     libvirt = [f"pci_0000_{bus:02X}_{slot:02X}_{fn}" for bus, slot, fn in addresses]
-    rng.shuffle(libvirt)
-    gpu = {"device_ids": canonical, **({"count": len(canonical)} if with_count else {})}
+    order = list(range(len(libvirt)))
+    rng.shuffle(order)
+    gpu = {"count": len(canonical)} if with_count else {}
     spec = {
         "resource_requirements": {"gpu": gpu},
-        "driver_config": {"vm": {"gpu_device_ids": libvirt}},
+        "template": {"driver_config": {"vm": {"gpu_device_ids": [libvirt[i] for i in order]}}},
     }
-    expected = GpuRequest(count=gpu.get("count"), devices=tuple(canonical))
+    if not with_count and len(canonical) > 1:  # OpenShell: an omitted count means 1
+        try:
+            openshell.gpu_request(spec)
+        except InvalidArgument as err:
+            assert "gpu count (1" in err.message
+            return
+        raise AssertionError("an omitted count with several device ids was accepted")
+    expected = GpuRequest(count=gpu.get("count"), devices=tuple(canonical[i] for i in order))
     assert openshell.gpu_request(spec) == expected

@@ -1,4 +1,9 @@
-"""OpenSandbox resourceLimits -> GpuRequest."""
+"""OpenSandbox resourceLimits -> GpuRequest.
+
+Each row names the alibaba/OpenSandbox file (at commit 4db3a993, under
+server/opensandbox_server/services/) its rule comes from, or "vmsandbox" where vmsandbox
+deliberately differs (see vmsandbox/compat/opensandbox.py).
+"""
 
 from __future__ import annotations
 
@@ -9,72 +14,78 @@ from vmsandbox.errors import InvalidArgument
 from vmsandbox.spec import GpuRequest
 
 GPU, NV, AMD = '["gpu"]', '["nvidia.com/gpu"]', '["amd.com/gpu"]'
+PARSE = "helpers.py parse_gpu_request"
+K8S = "k8s/provider_common.py _translate_resource_limits_for_k8s"
+DOCKER = "docker/container_ops.py DeviceRequest"
+NVIDIA, AMD_VENDOR = "nvidia", "amd"
 
 
 @pytest.mark.parametrize(
-    ("limits", "expected"),
+    ("source", "limits", "expected"),
     [
-        (None, None),
-        ({}, None),
-        ({"cpu": "2", "memory": "4Gi"}, None),
-        ({"gpu": "1"}, GpuRequest(count=1)),
-        ({"gpu": "4"}, GpuRequest(count=4)),
-        ({"gpu": " 2 "}, GpuRequest(count=2)),
-        ({"gpu": "02"}, GpuRequest(count=2)),
-        ({"gpu": "all"}, GpuRequest(all=True)),
-        ({"gpu": "ALL"}, GpuRequest(all=True)),
-        ({"gpu": " All "}, GpuRequest(all=True)),
-        ({"nvidia.com/gpu": "2"}, GpuRequest(count=2, vendor="nvidia")),
-        ({"amd.com/gpu": "1"}, GpuRequest(count=1, vendor="amd")),
-        ({"gpu": "2", "nvidia.com/gpu": "2"}, GpuRequest(count=2, vendor="nvidia")),
-        ({"gpu": "3", "amd.com/gpu": " 3", "cpu": "8"}, GpuRequest(count=3, vendor="amd")),
-        ({"cpu": 2, "gpu": "1"}, GpuRequest(count=1)),  # other keys are not ours
+        (PARSE, None, None),
+        (PARSE, {}, None),
+        (K8S, {"cpu": "2", "memory": "4Gi"}, None),
+        (PARSE, {"gpu": ""}, None),
+        ("vmsandbox: null is not given", {"gpu": None}, None),
+        (K8S, {"gpu": "1"}, GpuRequest(count=1, vendor=NVIDIA)),
+        (K8S, {"gpu": "4"}, GpuRequest(count=4, vendor=NVIDIA)),
+        (PARSE, {"gpu": " 2 "}, GpuRequest(count=2, vendor=NVIDIA)),
+        (PARSE, {"gpu": "02"}, GpuRequest(count=2, vendor=NVIDIA)),
+        (PARSE, {"gpu": "+2"}, GpuRequest(count=2, vendor=NVIDIA)),
+        (PARSE, {"gpu": "1_0"}, GpuRequest(count=10, vendor=NVIDIA)),  # int() reads it so
+        (PARSE, {"gpu": "\u0663"}, GpuRequest(count=3, vendor=NVIDIA)),  # an Arabic-Indic 3
+        (DOCKER, {"gpu": "all"}, GpuRequest(all=True, vendor=NVIDIA)),
+        (DOCKER, {"gpu": "ALL"}, GpuRequest(all=True, vendor=NVIDIA)),
+        (DOCKER, {"gpu": " All "}, GpuRequest(all=True, vendor=NVIDIA)),
+        (K8S, {"nvidia.com/gpu": "2"}, GpuRequest(count=2, vendor=NVIDIA)),
+        (K8S, {"amd.com/gpu": "1"}, GpuRequest(count=1, vendor=AMD_VENDOR)),
+        (K8S, {"amd.com/gpu": " 3", "cpu": "8"}, GpuRequest(count=3, vendor=AMD_VENDOR)),
+        (K8S, {"gpu": "2", "nvidia.com/gpu": "2"}, GpuRequest(count=2, vendor=NVIDIA)),
+        (K8S, {"cpu": 2, "gpu": "1"}, GpuRequest(count=1, vendor=NVIDIA)),  # not ours
     ],
 )
-def test_accepted(limits: dict | None, expected: GpuRequest | None) -> None:
-    assert gpu_request(limits) == expected
+def test_accepted(source: str, limits: dict | None, expected: GpuRequest | None) -> None:
+    assert gpu_request(limits) == expected, source
 
 
 @pytest.mark.parametrize(
-    ("limits", "field", "says"),
+    ("source", "limits", "field", "says"),
     [
-        ({"gpu": "0"}, GPU, "greater than 0"),
-        ({"gpu": "00"}, GPU, "greater than 0"),
-        ({"gpu": "-1"}, GPU, "greater than 0"),
-        ({"gpu": "1.5"}, GPU, "greater than 0"),
-        ({"gpu": "+2"}, GPU, "greater than 0"),
-        ({"gpu": "1_0"}, GPU, "greater than 0"),
-        ({"gpu": ""}, GPU, "greater than 0"),
-        ({"gpu": " "}, GPU, "greater than 0"),
-        ({"gpu": "bad"}, GPU, "greater than 0"),
-        ({"gpu": "\u0663"}, GPU, "greater than 0"),  # an Arabic-Indic digit
-        ({"gpu": "\uff11"}, GPU, "greater than 0"),  # a fullwidth digit
-        ({"gpu": "1e3"}, GPU, "greater than 0"),
-        ({"gpu": "all gpus"}, GPU, "greater than 0"),
-        ({"gpu": 1}, GPU, "greater than 0"),
-        ({"gpu": True}, GPU, "greater than 0"),
-        ({"gpu": None}, GPU, "greater than 0"),
-        ({"gpu": ["1"]}, GPU, "greater than 0"),
-        ({"nvidia.com/gpu": "all"}, NV, "extended resource"),
-        ({"amd.com/gpu": "ALL"}, AMD, "extended resource"),
-        ({"nvidia.com/gpu": "0"}, NV, "greater than 0"),
-        ({"nvidia.com/gpu": 2}, NV, "greater than 0"),
-        ({"gpu": "1", "nvidia.com/gpu": "2"}, GPU, "disagrees"),
-        ({"gpu": "all", "nvidia.com/gpu": "2"}, GPU, "disagrees"),
-        ({"nvidia.com/gpu": "1", "amd.com/gpu": "1"}, AMD, "one vendor"),
-        ({"GPU": "1"}, '["GPU"]', "case-sensitive"),
-        ({" gpu": "1"}, '[" gpu"]', "did you mean"),
-        ({"NVIDIA.com/gpu": "1"}, '["NVIDIA.com/gpu"]', "did you mean"),
-        ("gpu=1", "resourceLimits", "object"),
-        (["gpu"], "resourceLimits", "object"),
+        (PARSE, {"gpu": "0"}, GPU, "without a GPU"),
+        (PARSE, {"gpu": "00"}, GPU, "greater than 0"),
+        (PARSE, {"gpu": "-1"}, GPU, "greater than 0"),
+        (PARSE, {"gpu": "1.5"}, GPU, "greater than 0"),
+        (PARSE, {"gpu": " "}, GPU, "greater than 0"),
+        (PARSE, {"gpu": "bad"}, GPU, "greater than 0"),
+        (PARSE, {"gpu": "1e3"}, GPU, "greater than 0"),
+        (PARSE, {"gpu": "all gpus"}, GPU, "greater than 0"),
+        (PARSE, {"gpu": "9" * 5000}, GPU, "greater than 0"),  # past int()'s digit limit
+        ("CreateSandboxRequest: Dict[str, str]", {"gpu": 1}, GPU, "greater than 0"),
+        ("CreateSandboxRequest: Dict[str, str]", {"gpu": True}, GPU, "greater than 0"),
+        ("CreateSandboxRequest: Dict[str, str]", {"gpu": ["1"]}, GPU, "greater than 0"),
+        (K8S, {"nvidia.com/gpu": "all"}, NV, "extended resource"),
+        (K8S, {"amd.com/gpu": "ALL"}, AMD, "extended resource"),
+        ("vmsandbox: a whole number", {"nvidia.com/gpu": "0"}, NV, "greater than 0"),
+        ("vmsandbox: a whole number", {"nvidia.com/gpu": "+2"}, NV, "greater than 0"),
+        ("vmsandbox: a whole number", {"nvidia.com/gpu": 2}, NV, "greater than 0"),
+        (K8S, {"gpu": "1", "nvidia.com/gpu": "2"}, GPU, "overwrite"),
+        (K8S, {"gpu": "all", "nvidia.com/gpu": "2"}, GPU, "disagrees"),
+        (K8S, {"gpu": "3", "amd.com/gpu": "3"}, GPU, "means NVIDIA GPUs"),
+        (K8S, {"nvidia.com/gpu": "1", "amd.com/gpu": "1"}, AMD, "one vendor"),
+        (K8S, {"GPU": "1"}, '["GPU"]', "case-sensitive"),
+        (K8S, {" gpu": "1"}, '[" gpu"]', "did you mean"),
+        (K8S, {"NVIDIA.com/gpu": "1"}, '["NVIDIA.com/gpu"]', "did you mean"),
+        ("CreateSandboxRequest", "gpu=1", "resourceLimits", "object"),
+        ("CreateSandboxRequest", ["gpu"], "resourceLimits", "object"),
     ],
 )
-def test_rejected(limits: object, field: str, says: str) -> None:
+def test_rejected(source: str, limits: object, field: str, says: str) -> None:
     field = field if field == "resourceLimits" else f"resourceLimits{field}"
     with pytest.raises(InvalidArgument) as caught:
         gpu_request(limits)  # type: ignore[arg-type]
     err = caught.value
-    assert err.code == "INVALID_ARGUMENT"
+    assert err.code == "INVALID_ARGUMENT", source
     assert err.details["field"] == field
     assert field in err.message or field == "resourceLimits"
     assert says in err.message

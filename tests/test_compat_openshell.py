@@ -1,4 +1,9 @@
-"""OpenShell sandbox spec -> GpuRequest."""
+"""OpenShell sandbox spec -> GpuRequest.
+
+Each row names the NVIDIA/OpenShell file (main at commit 2f7fb655, or the spec before
+1dc59853 for the legacy fields) its rule comes from, or "vmsandbox" where vmsandbox
+deliberately differs (see vmsandbox/compat/openshell.py).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,18 @@ from vmsandbox.spec import GpuRequest
 
 A, B = "0000:41:00.0", "0000:c1:00.0"
 UUID = "GPU-0a1b2c3d-4e5f-6789-abcd-ef0123456789"
+PROTO = "proto/openshell.proto"
+GPU_RS = "crates/openshell-core/src/gpu.rs"
+VM_DRIVER = "crates/openshell-driver-vm/src/driver.rs"
+STRUCT = "crates/openshell-core/src/proto_struct.rs"
+SELECT = "crates/openshell-server/src/compute/mod.rs select_driver_config"
+LEGACY = "proto/openshell.proto before 1dc59853 (gpu, gpu_device)"
+IDS = "template.driver_config.vm.gpu_device_ids"
+COUNT = "resource_requirements.gpu.count"
+VM = "template.driver_config.vm"
+# validate_vm_sandbox_rejects_multiple_gpu_device_ids_without_gpu_count and ..._mismatched_...
+MISMATCH_1_2 = f"gpu count (1, as it is omitted) must match {IDS} length (2)"
+MISMATCH_2_1 = f"gpu count (2) must match {IDS} length (1)"
 
 
 def rr(**gpu: object) -> dict:
@@ -17,115 +34,100 @@ def rr(**gpu: object) -> dict:
 
 
 def vm(ids: object, **extra: object) -> dict:
-    return {"driver_config": {"vm": {"gpu_device_ids": ids, **extra}}}
+    return {"template": {"driver_config": {"vm": {"gpu_device_ids": ids, **extra}}}}
 
 
 @pytest.mark.parametrize(
-    ("spec", "expected"),
+    ("source", "spec", "expected"),
     [
-        ({}, None),
-        ({"log_level": "info", "environment": {"A": "1"}}, None),
-        ({"resource_requirements": {}}, None),
-        ({"resource_requirements": None}, None),
-        ({"resource_requirements": {"gpu": None}}, None),
-        ({"gpu": False}, None),
-        ({"gpu": None}, None),
-        ({"gpu": False, "gpu_device": ""}, None),
-        ({"driver_config": {"vm": {}}}, None),
-        ({"driver_config": {"vm": None, "docker": {"x": 1}}}, None),
-        (rr(), GpuRequest()),
-        (rr(count=None), GpuRequest()),
-        (rr(count=1), GpuRequest(count=1)),
-        (rr(count=4), GpuRequest(count=4)),  # more than OpenShell's VM driver's one
-        (rr(device_ids=["41:00.0", "pci_0000_c1_00_0"]), GpuRequest(devices=(A, B))),
-        (rr(count=2, device_ids=[A, B]), GpuRequest(count=2, devices=(A, B))),
-        (rr(device_ids=[UUID.upper(), "3"]), GpuRequest(devices=(UUID, "3"))),
-        ({**rr(), **vm([A])}, GpuRequest(devices=(A,))),
-        ({**rr(count=2), **vm([A, B])}, GpuRequest(count=2, devices=(A, B))),
-        ({**rr(device_ids=[A, B]), **vm([B, A])}, GpuRequest(devices=(A, B))),
+        (PROTO, {}, None),
+        (PROTO, {"log_level": "info", "environment": {"A": "1"}}, None),
+        (PROTO, {"resource_requirements": {}}, None),
+        (PROTO, {"resource_requirements": None}, None),
+        (PROTO, {"resource_requirements": {"gpu": None}}, None),
+        (LEGACY, {"gpu": False}, None),
+        (LEGACY, {"gpu": None}, None),
+        (LEGACY, {"gpu": False, "gpu_device": ""}, None),
+        (SELECT, {"template": {"driver_config": {"vm": {}}}}, None),
+        (SELECT, {"template": {"driver_config": {"vm": None, "docker": {"x": 1}}}}, None),
+        (SELECT, {"template": {"image": "x", "driver_config": None}}, None),
+        (GPU_RS, rr(), GpuRequest()),
+        (GPU_RS, rr(count=None), GpuRequest()),
+        (GPU_RS, rr(count=1), GpuRequest(count=1)),
+        (PROTO, rr(count="2"), GpuRequest(count=2)),  # proto3 JSON: uint32 as a string
+        ("vmsandbox: more than one GPU", rr(count=4), GpuRequest(count=4)),
+        (VM_DRIVER, {**rr(), **vm([A])}, GpuRequest(devices=(A,))),
+        (VM_DRIVER, {**rr(count=1), **vm(["41:00.0"])}, GpuRequest(count=1, devices=(A,))),
+        (GPU_RS, {**rr(count=2), **vm([A, "pci_0000_c1_00_0"])}, GpuRequest(2, (A, B))),
+        (GPU_RS, {**rr(count=2), **vm([UUID.upper(), "3"])}, GpuRequest(2, (UUID, "3"))),
         (
-            {**rr(), "template": {"driver_config": {"vm": {"gpu_device_ids": [A]}}}},
+            SELECT,
+            {**rr(), "template": {"driver_config": {"vm": {"gpu_device_ids": [A]}, "k8s": 1}}},
             GpuRequest(devices=(A,)),
         ),
-        ({"gpu": True}, GpuRequest()),
-        ({"gpu": True, "gpu_device": "41:00.0"}, GpuRequest(devices=(A,))),
-        ({"gpu": True, "gpu_device": ""}, GpuRequest()),
-        ({"gpu": True, **vm([A])}, GpuRequest(devices=(A,))),
-        ({"gpu": True, **rr(count=2)}, GpuRequest(count=2)),
-        ({"gpu": False, **rr(count=2)}, GpuRequest(count=2)),
-        ({"gpu": True, "gpu_device": A, **rr(device_ids=[A])}, GpuRequest(devices=(A,))),
+        (LEGACY, {"gpu": True}, GpuRequest()),
+        (LEGACY, {"gpu": True, "gpu_device": "41:00.0"}, GpuRequest(devices=(A,))),
+        (LEGACY, {"gpu": True, "gpu_device": ""}, GpuRequest()),
+        (LEGACY, {"gpu": True, **vm([A])}, GpuRequest(devices=(A,))),
+        (LEGACY, {"gpu": True, **rr(count=2)}, GpuRequest(count=2)),
+        (LEGACY, {"gpu": False, **rr(count=2)}, GpuRequest(count=2)),
+        (LEGACY, {"gpu": True, "gpu_device": A, **rr(), **vm([A])}, GpuRequest(devices=(A,))),
     ],
 )
-def test_accepted(spec: dict, expected: GpuRequest | None) -> None:
-    assert gpu_request(spec) == expected
+def test_accepted(source: str, spec: dict, expected: GpuRequest | None) -> None:
+    assert gpu_request(spec) == expected, source
 
 
 @pytest.mark.parametrize(
-    ("spec", "field", "says"),
+    ("source", "spec", "field", "says"),
     [
-        (rr(count=0), "resource_requirements.gpu.count", "must be greater than 0"),
-        (rr(count=-1), "resource_requirements.gpu.count", "must be greater than 0"),
-        (rr(count=1.5), "resource_requirements.gpu.count", "whole number"),
-        (rr(count=2.0), "resource_requirements.gpu.count", "whole number"),
-        (rr(count="2"), "resource_requirements.gpu.count", "whole number"),
-        (rr(count=True), "resource_requirements.gpu.count", "whole number"),
-        (rr(device_ids=[]), "resource_requirements.gpu.device_ids", "non-empty list"),
-        (rr(device_ids=A), "resource_requirements.gpu.device_ids", "non-empty list"),
-        (rr(device_ids=[""]), "resource_requirements.gpu.device_ids", "not a device id"),
-        (rr(device_ids=[None]), "resource_requirements.gpu.device_ids", "not a device id"),
-        (rr(device_ids=["gpu0"]), "resource_requirements.gpu.device_ids", "not a device id"),
-        (
-            rr(device_ids=["41:00.0", "0000:41:00.0"]),
-            "resource_requirements.gpu.device_ids",
-            "twice",
-        ),
-        (rr(count=1, device_ids=[A, B]), "resource_requirements.gpu.count", "does not match"),
-        (rr(count=3, device_ids=[A, B]), "resource_requirements.gpu.count", "does not match"),
-        ({**rr(count=1), **vm([A, B])}, "resource_requirements.gpu.count", "does not match"),
-        (rr(cont=1), "resource_requirements.gpu", "unknown key"),
-        ({"resource_requirements": {"gpu": True}}, "resource_requirements.gpu", "object"),
-        ({"resource_requirements": {"gpu": 1}}, "resource_requirements.gpu", "object"),
-        ({"resource_requirements": []}, "resource_requirements", "object"),
-        ({"resource_requirements": "gpu"}, "resource_requirements", "object"),
-        (vm([A]), "driver_config.vm.gpu_device_ids", "asks for none"),
-        ({"gpu": False, **vm([A])}, "driver_config.vm.gpu_device_ids", "asks for none"),
-        ({**rr(), **vm([])}, "driver_config.vm.gpu_device_ids", "non-empty list"),
-        ({**rr(), **vm([""])}, "driver_config.vm.gpu_device_ids", "not a device id"),
-        ({**rr(), **vm([A, A])}, "driver_config.vm.gpu_device_ids", "twice"),
-        ({**rr(), **vm([A], vcpus=4)}, "driver_config.vm", "unknown key"),
-        ({**rr(), "driver_config": {"vm": [A]}}, "driver_config.vm", "object"),
-        ({**rr(), "driver_config": {"vm": "41:00.0"}}, "driver_config.vm", "object"),
-        ({**rr(), "driver_config": [A]}, "driver_config", "object"),
-        ({**rr(device_ids=[A]), **vm([B])}, "driver_config.vm.gpu_device_ids", "different GPUs"),
-        ({**rr(device_ids=[A]), **vm([A, B])}, "driver_config.vm.gpu_device_ids", "different"),
-        (
-            {**rr(), "template": {"driver_config": {"vm": {"gpu_device_ids": []}}}},
-            "template.driver_config.vm.gpu_device_ids",
-            "non-empty list",
-        ),
-        (
-            {**rr(), **vm([A]), "template": {"driver_config": {"vm": {}}}},
-            "driver_config",
-            "once",
-        ),
-        ({**rr(), "template": "x"}, "template", "object"),
-        ({"gpu_device": A}, "gpu_device", "requires gpu=true"),
-        ({"gpu": False, "gpu_device": A}, "gpu_device", "requires gpu=true"),
-        ({**rr(), "gpu_device": A}, "gpu_device", "requires gpu=true"),
-        ({"gpu": True, "gpu_device": "bogus"}, "gpu_device", "not a device id"),
-        ({"gpu": True, "gpu_device": 3}, "gpu_device", "must be a string"),
-        ({"gpu": True, "gpu_device": A, **vm([B])}, "gpu_device", "different GPUs"),
-        ({"gpu": "true"}, "gpu", "true or false"),
-        ({"gpu": 1}, "gpu", "true or false"),
-        (None, "spec", "object"),
-        ([], "spec", "object"),
+        (GPU_RS, rr(count=0), COUNT, "gpu count must be greater than 0"),
+        (PROTO, rr(count=-1), COUNT, "greater than 0"),
+        (PROTO, rr(count=2**32), COUNT, "uint32"),
+        (PROTO, rr(count=1.5), COUNT, "whole number"),
+        ("vmsandbox", rr(count=2.0), COUNT, "whole number"),
+        (PROTO, rr(count=" 2"), COUNT, "whole number"),
+        (PROTO, rr(count=True), COUNT, "whole number"),
+        (PROTO, rr(device_ids=[A]), "resource_requirements.gpu.device_ids", IDS),
+        (PROTO, rr(cont=1), "resource_requirements.gpu", "unknown key"),
+        (PROTO, {"resource_requirements": {"gpu": True}}, "resource_requirements.gpu", "object"),
+        (PROTO, {"resource_requirements": {"gpu": 1}}, "resource_requirements.gpu", "object"),
+        (PROTO, {"resource_requirements": []}, "resource_requirements", "object"),
+        (PROTO, {"driver_config": {"vm": {"gpu_device_ids": [A]}}}, "driver_config", "template"),
+        (GPU_RS, vm([A]), IDS, "requires a gpu request"),
+        (GPU_RS, {"gpu": False, **vm([A])}, IDS, "requires a gpu request"),
+        (VM_DRIVER, {**rr(), **vm([A, B])}, COUNT, MISMATCH_1_2),
+        (VM_DRIVER, {**rr(count=2), **vm([A])}, COUNT, MISMATCH_2_1),
+        (GPU_RS, {**rr(count=3), **vm([A, B])}, COUNT, "must match"),
+        (STRUCT, {**rr(), **vm([])}, IDS, "non-empty list"),
+        (STRUCT, {**rr(), **vm(A)}, IDS, "non-empty list"),
+        (STRUCT, {**rr(), **vm([""])}, IDS, "not a device id"),
+        (STRUCT, {**rr(), **vm([" "])}, IDS, "not a device id"),
+        (STRUCT, {**rr(), **vm([None])}, IDS, "not a device id"),
+        (GPU_RS, {**rr(count=2), **vm([A, A])}, IDS, "duplicate device ID"),
+        ("vmsandbox: one GPU named twice", {**rr(count=2), **vm([A, "41:00.0"])}, IDS, "twice"),
+        ("vmsandbox: ids it can resolve", {**rr(), **vm(["gpu0"])}, IDS, "not a device id"),
+        (VM_DRIVER, {**rr(), **vm([A], vcpus=4)}, VM, "unknown key"),
+        (SELECT, {**rr(), "template": {"driver_config": {"vm": [A]}}}, VM, "must be an object"),
+        (SELECT, {**rr(), "template": {"driver_config": [A]}}, "template.driver_config", "object"),
+        (PROTO, {**rr(), "template": "x"}, "template", "object"),
+        (LEGACY, {"gpu_device": A}, "gpu_device", "requires gpu=true"),
+        (LEGACY, {"gpu": False, "gpu_device": A}, "gpu_device", "requires gpu=true"),
+        (LEGACY, {**rr(), "gpu_device": A}, "gpu_device", "requires gpu=true"),
+        (LEGACY, {"gpu": True, "gpu_device": "bogus"}, "gpu_device", "not a device id"),
+        (LEGACY, {"gpu": True, "gpu_device": 3}, "gpu_device", "must be a string"),
+        ("vmsandbox", {"gpu": True, "gpu_device": A, **vm([B])}, "gpu_device", "different GPUs"),
+        (LEGACY, {"gpu": "true"}, "gpu", "true or false"),
+        (LEGACY, {"gpu": 1}, "gpu", "true or false"),
+        (PROTO, None, "spec", "object"),
+        (PROTO, [], "spec", "object"),
     ],
 )
-def test_rejected(spec: object, field: str, says: str) -> None:
+def test_rejected(source: str, spec: object, field: str, says: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
         gpu_request(spec)  # type: ignore[arg-type]
     err = caught.value
-    assert err.code == "INVALID_ARGUMENT"
+    assert err.code == "INVALID_ARGUMENT", source
     assert err.details["field"] == field
     assert field in err.message
     assert says in err.message

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from vmsandbox import virt
-from vmsandbox.apt_sources import host_sources, mirror_lines
+from vmsandbox.apt_sources import AptSource, host_sources, mirror_lines
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, InvalidArgument
 
@@ -58,6 +58,29 @@ def test_apt_sources_in_both_formats(tmp_path: Path):
         mirror_lines("trixie", ["main"], tmp_path)
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        "deb [signed-by=/k.gpg] http://m.example/debian bookworm main",  # one option (defect 8c)
+        "deb [ signed-by=/k.gpg ] http://m.example/debian bookworm main",
+        "deb [arch=amd64 signed-by=/k.gpg] http://m.example/debian bookworm main",
+        "deb\t[signed-by=/k.gpg]  http://m.example/debian bookworm main # trailing comment",
+    ],
+)
+def test_apt_source_options_keep_signed_by(tmp_path: Path, line: str):
+    (tmp_path / "sources.list").write_text(line + "\n")
+    assert host_sources(tmp_path) == [
+        AptSource(uri="http://m.example/debian", suite="bookworm", signed_by="/k.gpg")
+    ]
+
+
+def test_apt_source_lines_without_a_suite_or_closing_bracket_are_skipped(tmp_path: Path):
+    (tmp_path / "sources.list").write_text(
+        "deb http://m.example/debian\ndeb [signed-by=/k.gpg http://m.example/debian bookworm\n"
+    )
+    assert host_sources(tmp_path) == []
+
+
 def test_virt_type_auto_uses_the_cached_probe(tmp_path: Path):
     cache = tmp_path / "probe.json"
     assert virt.resolve("qemu", cache=cache, kernel=None) == "qemu"
@@ -68,3 +91,16 @@ def test_virt_type_auto_uses_the_cached_probe(tmp_path: Path):
     assert virt.cached(cache=cache) is None
     with pytest.raises(InvalidArgument):
         virt.resolve("hvf", cache=cache, kernel=None)
+
+
+def test_openshell_allowed_uids_from_toml_list_or_comma_separated_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    file = tmp_path / "config.toml"
+    file.write_text("openshell_allowed_uids = [1001, 1002]\n")
+    assert Config.load(file).openshell_allowed_uids == (1001, 1002)
+    monkeypatch.setenv("VMSANDBOX_OPENSHELL_ALLOWED_UIDS", "7,8")
+    assert Config.load(file).openshell_allowed_uids == (7, 8)
+    monkeypatch.setenv("VMSANDBOX_OPENSHELL_ALLOWED_UIDS", "-1")
+    with pytest.raises(InvalidArgument, match="openshell_allowed_uids"):
+        Config.load(file)

@@ -76,8 +76,14 @@ def test_cli_json_errors_are_objects(config: Config):
     ("args", "message"),
     [
         (["create", "--memory", "lots"], "--memory 'lots' is not a size"),
-        (["create", "--cpus", "0"], "'0' is not a positive integer"),
+        (["create", "--cpus", "0"], "--cpus '0' is not a whole number of at least 1"),
         (["create", "--disk", "1.5G"], "--disk '1.5G' is not a size"),
+        # argparse would take a negative value for an option ("expected one argument")
+        (["create", "--memory", "-1G"], "--memory '-1G' is not a size"),
+        (["create", "--disk", "-5G"], "--disk '-5G' is not a size"),
+        (["create", "--disk", "-5"], "--disk '-5' is not a size"),
+        (["create", "--cpus", "-1"], "--cpus '-1' is not a whole number of at least 1"),
+        (["create", "--timeout", "-3"], "--timeout '-3' is not a number of seconds above 0"),
         (["show", "NOPE"], "name 'NOPE' is not valid"),
         (["exec", "x"], "exec needs a command"),
         (["frobnicate"], "invalid choice"),
@@ -88,6 +94,16 @@ def test_cli_rejects_bad_arguments_without_traceback(config: Config, args, messa
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("field", "value"), [("--memory", "-1G"), ("--disk", "-5G")])
+def test_cli_negative_sizes_name_the_field_and_value(config: Config, field: str, value: str):
+    """The same error object as any other bad size: INVALID_ARGUMENT with field and value."""
+    done = cli("--json", "create", field, value, config=config)
+    assert done.returncode == 2, done.stderr
+    error = json.loads(done.stdout)["error"]
+    assert error["code"] == "INVALID_ARGUMENT"
+    assert error["details"] == {"field": field, "value": value}
 
 
 def test_destroy_of_a_missing_sandbox_is_not_found(manager: SandboxManager):

@@ -11,7 +11,6 @@ from vmsandbox.domain import (
     METADATA_NS,
     DomainPlan,
     build_domain_xml,
-    console_log_of,
     metadata_xml,
     read_metadata,
 )
@@ -78,7 +77,15 @@ def test_sizes_disks_and_console_come_from_the_plan():
     ]
     assert disks[1].find("readonly") is not None
     assert root.find("devices/memballoon").get("model") == "none"
-    assert console_log_of(etree.tostring(root).decode()).endswith("unit.console.log")
+    log = root.find("devices/serial/log").get("file")
+    assert log == "/var/lib/vmsandbox/sandboxes/unit.console.log"
+
+
+def test_seabios_writes_to_the_serial_console_and_ovmf_needs_nothing():
+    """Firmware messages ("No bootable device.") must reach the console log."""
+    assert parse(build_domain_xml(plan())).find("os/bios").get("useserial") == "yes"
+    uefi = plan(uefi=True, nvram=Path("/v.fd"), ovmf_code=Path("/c.fd"), ovmf_vars=Path("/t.fd"))
+    assert parse(build_domain_xml(uefi)).find("os/bios") is None
 
 
 def test_user_network_forwards_ssh_on_loopback_only_and_restricts_the_guest():

@@ -12,6 +12,7 @@ from vmsandbox.config import Config
 from vmsandbox.guest import HostKeyMismatch, run
 from vmsandbox.keys import SandboxKeys, generate
 from vmsandbox.manager import Sandbox, SandboxManager
+from vmsandbox.record import SandboxFiles
 from vmsandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.e2e
@@ -84,9 +85,13 @@ def test_ssh_command_pins_the_host_key(manager: SandboxManager, booted: Sandbox)
     assert "UserKnownHostsFile=/dev/null" not in joined
 
 
-def test_destroy_leaves_no_domain_overlay_seed_or_key(manager: SandboxManager, config: Config):
+def test_destroy_leaves_no_domain_overlay_seed_key_or_log(manager: SandboxManager, config: Config):
+    """Nothing of a destroyed sandbox remains, libvirt's own QEMU log of it included (8f)."""
     name = generate_name("t")
     manager.create(SandboxSpec(name=name), wait=False)
+    qemu_log = SandboxFiles.of(config, name).qemu_log
+    assert qemu_log is not None and qemu_log.exists()
     assert leftovers(config, name)
     manager.destroy(name)
     assert leftovers(config, name) == []
+    assert not qemu_log.exists()

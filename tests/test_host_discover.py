@@ -121,7 +121,7 @@ def test_hgx_lists_eight_h100_with_every_field(hgx: list[dict[str, Any]]) -> Non
             "vendor_id": "0x10de",
             "device_id": "0x2330",
             "class_id": "0x030200",
-            "name": "GH100[H100 SXM5 80GB]",
+            "name": "GH100 [H100 SXM5 80GB]",
             "driver": driver,
             "numa_node": numa,
             "iommu_group": group,
@@ -139,6 +139,7 @@ def test_hgx_lists_eight_h100_with_every_field(hgx: list[dict[str, Any]]) -> Non
             "index": index,
             "pcie_switch": switch,
             "boot_vga": False,
+            "drm_cards": [],
         }
 
 
@@ -155,6 +156,7 @@ def test_hgx_lists_nvswitches_as_fabric_only(hgx: list[dict[str, Any]]) -> None:
             "driver": "nvidia",
             "numa_node": 0,
             "iommu_group": group,
+            "in_use_by": None,
         }
         for bus, group in [(0x08, 20), (0x09, 21), (0x0A, 22), (0x0B, 23)]
     ]
@@ -167,6 +169,7 @@ def test_hgx_lists_nvswitches_as_fabric_only(hgx: list[dict[str, Any]]) -> None:
         "fabric": 4,
         "nvml": False,
         "notes": ["NVML unavailable: Driver Not Loaded"],
+        "unified_memory_mib": None,  # no GPU here uses the host's memory
     }
 
 
@@ -184,7 +187,7 @@ def test_nvml_enrichment_through_the_seam(hgx: list[dict[str, Any]]) -> None:
     assert gpus["0000:41:00.0"]["memory_source"] == "nvml"
     assert (gpus["0000:c2:00.0"]["memory_mib"], gpus["0000:c2:00.0"]["uuid"]) == (81000, "GPU-c2")
     # hwdb names win over NVML's
-    assert gpus["0000:41:00.0"]["name"] == "GH100[H100 SXM5 80GB]"
+    assert gpus["0000:41:00.0"]["name"] == "GH100 [H100 SXM5 80GB]"
     # NVML could not read 9b; vfio-pci GPUs are never NVML's: both fall back to the table
     for bdf in ["0000:9b:00.0", "0000:18:00.0"]:
         assert (gpus[bdf]["memory_source"], gpus[bdf]["uuid"]) == ("pci-id", None)
@@ -229,7 +232,8 @@ def test_hgx_table(hgx: list[dict[str, Any]]) -> None:
         "5",
         "0000:9b:00.0",
         "nvidia",
-        "GH100[H100",
+        "GH100",
+        "[H100",
         "SXM5",
         "80GB]",
         "81559",
@@ -279,6 +283,7 @@ def test_workstation_card_takes_its_four_functions() -> None:
         "index": 0,
         "pcie_switch": None,
         "boot_vga": False,
+        "drm_cards": [],
     }
     # The Cezanne iGPU counts as an AMD GPU, and is the boot VGA device.
     assert (igpu["bdf"], igpu["vendor"], igpu["boot_vga"]) == ("0000:30:00.0", "amd", True)
@@ -382,13 +387,14 @@ def test_mi300x() -> None:
         "bar_64bit_prefetchable_total": 256 * GIB + 2 * MIB,
         "memory_mib": 196608,
         "memory_source": "pci-id",
-        "uuid": None,
+        "uuid": "GPU-3f5a9c0e71b2d486",  # ROCm's: "GPU-" and amdgpu's sysfs unique_id
         "bindable": True,
         "reasons": [],
         "in_use_by": None,
         "index": 0,
         "pcie_switch": "0000:01:00.0",
         "boot_vga": False,
+        "drm_cards": ["card1"],  # from the drm/ children of the function
     }
     # the BMC's ASPEED VGA is the boot device, and no GPU
     assert (inventory["fabric"], inventory["host"]["notes"]) == ([], [])

@@ -13,7 +13,7 @@ GPU = Gpu(
     vendor_id="0x10de",
     device_id="0x2330",
     class_id="0x030200",
-    name="GH100[H100 SXM5 80GB]",
+    name="GH100 [H100 SXM5 80GB]",
     driver="vfio-pci",
     numa_node=0,
     iommu_group=42,
@@ -74,7 +74,7 @@ def test_gpus_reasons_fabric_and_summary() -> None:
     assert render_table(inventory).splitlines() == [
         "#  BDF           VENDOR  NAME                                      MEMORY     NUMA  GROUP"
         "  DRIVER    BINDABLE  IN USE BY",
-        "0  0000:41:00.0  nvidia  GH100[H100 SXM5 80GB]                     81559 MiB  0     42"
+        "0  0000:41:00.0  nvidia  GH100 [H100 SXM5 80GB]                    81559 MiB  0     42"
         "     vfio-pci  yes       -",
         "1  0000:42:00.0  nvidia  A name much longer than the forty cha...  -          -     42"
         "     nvidia    no        sandbox-7",

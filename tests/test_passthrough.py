@@ -24,8 +24,10 @@ from lxml import etree
 from test_allocator import discover_hosts
 
 from vmsandbox import passthrough
-from vmsandbox.allocator import select
+from vmsandbox.allocator import Allocation, allocate, select
 from vmsandbox.domain import QEMU_NS, DomainPlan, build_domain_xml
+from vmsandbox.fabric.mode import FULL_PASSTHROUGH, FabricMode
+from vmsandbox.fabric.state import Fabric
 from vmsandbox.host.model import Bar, Gpu, Inventory
 from vmsandbox.numa import format_cpuset, host_cpus_by_node, parse_cpulist
 from vmsandbox.spec import GpuRequest
@@ -97,10 +99,16 @@ def gpu_domain_xml(
     memory_mib: int,
     *,
     host_cpus: dict[int, list[int]] | None = HGX_CPUS,
+    switches: tuple[str, ...] = (),
     **extra: object,
 ) -> str:
     plan = passthrough.plan(
-        gpus, vcpus=cpus, memory_mib=memory_mib, virt_type=virt_type, host_cpus=host_cpus
+        gpus,
+        vcpus=cpus,
+        memory_mib=memory_mib,
+        virt_type=virt_type,
+        host_cpus=host_cpus,
+        switches=switches,
     )
     domain = domain_plan(name, virt_type, cpus, memory_mib, **extra)
     domain.extra.append(partial(passthrough.apply, plan=plan))
@@ -194,6 +202,48 @@ def test_golden_files_have_the_expected_shape() -> None:
     assert [port.get("index") for port in ports] == [str(i) for i in range(1, 9)]
     buses = [a.get("bus") for a in eight.iterfind("devices/hostdev/address")]
     assert buses == [f"0x{i:02x}" for i in range(1, 9)]
+
+
+def full_passthrough_board(hosts: dict[str, Inventory]) -> tuple[Allocation, str]:
+    """All 8 GPUs and the 4 NVSwitches of the HGX host, as full passthrough allocates them."""
+    fabric = Fabric(FabricMode(FULL_PASSTHROUGH, ("nvswitch",)))
+    got = allocate(GpuRequest(count=8), hosts["hgx_h100"], fabric=fabric)
+    switches = tuple(device.bdf for device in got.switches)
+    return got, gpu_domain_xml(
+        list(got.gpus), "hgx_h100_8gpu_nvswitch", "qemu", 32, 262144, switches=switches
+    )
+
+
+def test_golden_full_passthrough_board_passes_every_nvswitch(
+    hosts: dict[str, Inventory], schema: etree.RelaxNG
+) -> None:
+    got, xml = full_passthrough_board(hosts)
+    check_golden("hgx_h100_8gpu_nvswitch", xml)
+    root = etree.fromstring(xml.encode())
+    assert schema.validate(root), schema.error_log
+    # the GPUs' ports first (1-8), then one port per NVSwitch (9-12)
+    ports = root.findall("devices/controller[@model='pcie-root-port']")
+    assert [port.get("index") for port in ports] == [str(i) for i in range(1, 13)]
+    sources = [
+        "0000:{}:{}.{}".format(*(a.get(k)[2:] for k in ("bus", "slot", "function")))
+        for a in root.iterfind("devices/hostdev/source/address")
+    ]
+    assert sources[8:] == [device.bdf for device in got.switches]
+    buses = [a.get("bus") for a in root.iterfind("devices/hostdev/address")]
+    assert buses == [f"0x{i:02x}" for i in range(1, 13)]
+    # the switches change neither the 64-bit window nor the locked-memory limit
+    eight = etree.parse(str(GOLDEN / "hgx_h100_8gpu.xml")).getroot()
+    for path in ("memtune/hard_limit", "devices/controller[@model='pcie-root']/pcihole64"):
+        assert root.findtext(path) == eight.findtext(path)
+
+
+@pytest.mark.libvirt
+def test_full_passthrough_board_defines_on_libvirtd(
+    hosts: dict[str, Inventory], conn: libvirt.virConnect
+) -> None:
+    got, xml = full_passthrough_board(hosts)
+    defined = define_and_undefine(conn, xml)
+    assert len(defined.findall("devices/hostdev")) == len(got.gpus) + len(got.switches) == 12
 
 
 # -- the numbers ---------------------------------------------------------------------------

@@ -8,6 +8,8 @@ Guests are created with ``--no-wait`` (QEMU runs, nobody waits for SSH) to keep 
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +19,8 @@ import pytest
 from conftest import cli, cli_env, leftovers
 
 from vmsandbox.config import Config
-from vmsandbox.spec import generate_name
+from vmsandbox.manager import SandboxManager
+from vmsandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.libvirt
 
@@ -62,7 +65,7 @@ def test_four_parallel_creates_then_four_parallel_destroys(config: Config) -> No
         created = in_parallel(config, [("create", name, *SMALL) for name in names])
         assert [code for code, _err in created] == [0, 0, 0, 0], created
         sandboxes = listed(config)
-        assert all(sandboxes[name]["state"] == "ready" for name in names)
+        assert all(sandboxes[name]["state"] == "started" for name in names)  # --no-wait
         ports = {sandboxes[name]["ssh"]["port"] for name in names}
         assert len(ports) == 4, "each sandbox forwards SSH on its own port"
         destroyed = in_parallel(config, [("destroy", name) for name in names])
@@ -102,10 +105,40 @@ def test_two_creates_of_one_name_give_one_sandbox_and_already_exists(config: Con
         assert codes == [0, 4], results
         loser = next(err for code, err in results if code == 4)
         assert "error: ALREADY_EXISTS: " in loser
-        assert listed(config)[name]["state"] == "ready"
+        assert listed(config)[name]["state"] == "started"  # --no-wait
         made = leftovers(config, name)
         assert f"domain vmsbx-{name}" in made and len(made) >= 4  # domain, overlay, seed, keys
         assert cli("destroy", name, config=config).returncode == 0
         assert leftovers(config, name) == []
     finally:
         cleanup(config, [name])
+
+
+def test_a_forwarded_port_taken_before_qemu_starts_is_replaced(config: Config) -> None:
+    """Another program binds the SSH port chosen for a sandbox between define and start: the
+    real QEMU cannot forward it, and the create plans another port and starts (defect 8e)."""
+    name, said = generate_name("t"), []
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+    def take_the_port(stage: str) -> None:
+        if stage == "define":
+            xml = manager.conn.lookupByName(f"vmsbx-{name}").XMLDesc(0)
+            found = re.search(r"hostfwd=tcp:127\.0\.0\.1:(\d+)-", xml)
+            assert found is not None
+            port = int(found.group(1))
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+
+    try:
+        with SandboxManager(
+            config, progress=said.append, reconcile=False, checkpoint=take_the_port
+        ) as manager:
+            sandbox = manager.create(SandboxSpec(name=name, memory_mib=256), wait=False)
+            assert any("was taken meanwhile" in line for line in said), said
+            assert sandbox.ssh is not None
+            assert sandbox.ssh.port != squatter.getsockname()[1]
+            assert manager.get(name).state == "started"
+    finally:
+        squatter.close()
+        cleanup(config, [name])
+    assert leftovers(config, name) == []

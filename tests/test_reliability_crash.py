@@ -2,9 +2,10 @@
 nothing behind once reconcile has run, the host lock is free at once, and reconcile never
 touches a domain that is not a sandbox of its own state directory.
 
-The kills use the crash seam of the manager: with ``VMSANDBOX_CRASH_AT=<stage>`` a create prints
-``vmsandbox-checkpoint <stage>`` on stderr and waits there to be killed. Kills at ``started`` and
-``waiting`` leave a running QEMU behind (libvirtd's child, not ours), which reconcile must stop.
+The kills use the manager's crash checkpoints: tests/crash_cli.py runs the CLI with a checkpoint
+that, at the given stage, prints ``vmsandbox-checkpoint <stage>`` on stderr and waits there to be
+killed. Kills at ``start`` (with or without waiting for SSH) leave a running QEMU behind
+(libvirtd's child, not ours), which reconcile must stop.
 """
 
 from __future__ import annotations
@@ -31,17 +32,25 @@ from conftest import cli, cli_env, leftovers
 from conftest_host import umockdev_run
 
 from vmsandbox import domain as domain_xml
+from vmsandbox import lifecycle
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.lock import host_lock
-from vmsandbox.manager import SandboxManager, SandboxPaths
+from vmsandbox.manager import SandboxManager
+from vmsandbox.record import SandboxFiles
 from vmsandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.libvirt
 
-STAGES = ("locked", "overlay", "defined", "started", "waiting")
+# Checkpoints after the lock is taken and after create steps (lifecycle.py); "waiting" is the
+# "start" checkpoint of a create that would wait for SSH next.
+STAGES = ("locked", "overlay", "define", "start", "waiting")
 KILLS_PER_STAGE = 4  # 20 kills in one run
-SMALL = ("--memory", "256")  # the guest is killed long before it needs more
+SMALL = ("--memory", "256")
+NO_WAIT = ("--no-wait",)
+CRASH_CLI = (
+    Path(__file__).resolve().parent / "crash_cli.py"
+)  # the guest is killed long before it needs more
 
 
 def wait_for_output(proc: subprocess.Popen[bytes], marker: str, timeout: float = 90.0) -> str:
@@ -79,11 +88,11 @@ def start_create(
     """Start ``vmsandbox create NAME`` in a process group of its own; return once it waits at
     checkpoint ``stage`` (``prefix``: a wrapper such as umockdev-run)."""
     proc = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "vmsandbox.cli", "create", name, *SMALL, *args],
+        [*prefix, sys.executable, str(CRASH_CLI), stage, "create", name, *SMALL, *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        env={**(env or cli_env(config)), "VMSANDBOX_CRASH_AT": stage},
+        env=env or cli_env(config),
         start_new_session=True,
     )
     try:
@@ -139,10 +148,10 @@ def stop_and_clean(proc: subprocess.Popen[bytes], config: Config, name: str) -> 
 def force_remove(config: Config, name: str) -> None:
     """Test cleanup of one of our own sandboxes, whatever state it was left in."""
     with SandboxManager(config, reconcile=False) as manager:
-        dom = None
-        with contextlib.suppress(libvirt.libvirtError):
-            dom = manager.conn.lookupByName(domain_xml.DOMAIN_PREFIX + name)
-        manager._remove(name, dom, SandboxPaths.of(config, name))
+        lifecycle.teardown(
+            lifecycle.Remains(manager.hypervisor, config, name, SandboxFiles.of(config, name)),
+            manager._locked,
+        )
 
 
 @pytest.fixture
@@ -168,8 +177,8 @@ def test_kill_9_at_random_stages_then_reconcile_leaves_nothing(config: Config) -
     for round_, stage in enumerate(stages):
         name = f"t-{rng.getrandbits(32):08x}"
         where = f"kill {round_} at {stage!r}, sandbox {name}, seed {seed}"
-        args = () if stage == "waiting" else ("--no-wait",)
-        proc = start_create(config, name, stage, *args)
+        waits = stage == "waiting"
+        proc = start_create(config, name, "start" if waits else stage, *(() if waits else NO_WAIT))
         try:
             kill9(proc)
             report = reconcile_cli(config)
@@ -231,7 +240,7 @@ def test_a_killed_creator_not_yet_reaped_counts_as_dead(config: Config) -> None:
     """A gateway that kills a create and reconciles before it reaps the child: the zombie is
     not a live creator, so its half-made sandbox is removed."""
     name = generate_name("t")
-    proc = start_create(config, name, "defined", "--no-wait")
+    proc = start_create(config, name, "define", "--no-wait")
     try:
         os.kill(proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -283,7 +292,7 @@ def test_gpu_create_killed_at_defined_frees_the_gpu_after_reconcile(config: Conf
 
     with umockdev_run("hgx_h100") as (argv, fake_env):
         env = {**fake_env, **cli_env(config)}
-        proc = start_create(config, name, "defined", "--gpu", "--no-wait", prefix=argv, env=env)
+        proc = start_create(config, name, "define", "--gpu", "--no-wait", prefix=argv, env=env)
         try:
             kill9(proc)
             held = [bdf for bdf, user in in_use(argv, env).items() if user == f"vmsbx-{name}"]
@@ -364,11 +373,11 @@ def test_reconcile_ignores_records_that_do_not_name_their_own_domain(
     victim = f"t-victim-{token}"
     victim_record = {"name": victim, "keys": str(cfg.sandboxes / victim), "image": "minimal"}
     define_domain(f"vmsbx-{victim}", _record_xml(victim_record, "ready"))
-    paths = SandboxPaths.of(cfg, victim)
+    paths = SandboxFiles.of(cfg, victim)
     for path in (paths.overlay, paths.seed):
         path.write_text("victim")
-    paths.keys.mkdir()
-    (paths.keys / "id_ed25519").write_text("victim")
+    paths.keys_dir.mkdir()
+    (paths.keys_dir / "id_ed25519").write_text("victim")
     # Outside the state directory, where '../../' from its sandboxes folder leads.
     canary = cfg.state_dir.parent / f"t-canary-{token}"
     canary.mkdir()
@@ -389,9 +398,9 @@ def test_reconcile_ignores_records_that_do_not_name_their_own_domain(
     assert (canary / "keep").exists()
     assert canary.with_name(canary.name + ".qcow2").exists()
     assert sorted(map(str, paths.existing())) == sorted(
-        map(str, [paths.overlay, paths.seed, paths.keys])
+        map(str, [paths.overlay, paths.seed, paths.keys_dir])
     )
-    assert (paths.keys / "id_ed25519").exists()
+    assert (paths.keys_dir / "id_ed25519").exists()
     for name in evil:
         assert domain_exists(cfg.uri, name), f"{name} is not a sandbox; it must stay"
 
@@ -409,7 +418,7 @@ def test_metadata_that_is_not_an_object_is_not_a_sandbox() -> None:
 
 def test_reconcile_runs_when_the_manager_opens(config: Config) -> None:
     name = generate_name("t")
-    proc = start_create(config, name, "defined", "--no-wait")
+    proc = start_create(config, name, "define", "--no-wait")
     try:
         kill9(proc)
         assert leftovers(config, name)
@@ -424,7 +433,7 @@ def test_reconcile_leaves_a_create_in_flight_alone(config: Config) -> None:
     """A domain marked creating whose creator still runs is not half-made: reconcile keeps it
     (and its QEMU) until the creator dies."""
     name = generate_name("t")
-    proc = start_create(config, name, "started", "--no-wait")
+    proc = start_create(config, name, "start", "--no-wait")
     try:
         assert name not in reconcile_cli(config)["removed"]
         listed = json.loads(cli("list", "--json", config=config, check=True).stdout)
@@ -439,9 +448,9 @@ def test_reconcile_leaves_a_create_in_flight_alone(config: Config) -> None:
 
 def test_reconcile_removes_files_without_a_domain(config: Config) -> None:
     name = generate_name("t")
-    paths = SandboxPaths.of(config, name)
-    paths.keys.mkdir(mode=0o700)
-    (paths.keys / "id_ed25519").write_text("orphan")
+    paths = SandboxFiles.of(config, name)
+    paths.keys_dir.mkdir(mode=0o700)
+    (paths.keys_dir / "id_ed25519").write_text("orphan")
     paths.overlay.with_name(paths.overlay.name + ".partial").write_text("half")
     paths.console_log.write_text("boot")
     report = reconcile_cli(config)
@@ -459,7 +468,7 @@ def test_reconcile_handles_a_domain_whose_files_are_gone(
     try:
         for name in (stopped, running):
             manager.create(SandboxSpec(name=name, memory_mib=256), wait=False)
-            SandboxPaths.of(config, name).overlay.unlink()
+            SandboxFiles.of(config, name).overlay.unlink()
         manager.conn.lookupByName(domain_xml.DOMAIN_PREFIX + stopped).destroy()
         report = manager.reconcile()
         assert stopped in report["removed"]
@@ -467,7 +476,7 @@ def test_reconcile_handles_a_domain_whose_files_are_gone(
         assert running not in report["removed"]
         assert [p for p in report["problems"] if running in p], report
         assert domain_exists(config.uri, domain_xml.DOMAIN_PREFIX + running)
-        assert manager.get(running).state == "ready"
+        assert manager.get(running).state == "started"  # nobody waited for its SSH
         done = cli("reconcile", config=config)
         assert done.returncode == 1
         assert f"could not fix: {running}" in done.stdout
@@ -486,7 +495,7 @@ def test_reconcile_leaves_sandboxes_of_other_state_directories_alone(
     in its own state directory (another's half-made sandbox is that one's to remove)."""
     other = own_state
     name = generate_name("t")
-    proc = start_create(other, name, "defined", "--no-wait")
+    proc = start_create(other, name, "define", "--no-wait")
     try:
         kill9(proc)
         made = leftovers(other, name)

@@ -31,7 +31,8 @@ from vmsandbox import domain as domain_xml
 from vmsandbox.config import Config
 from vmsandbox.errors import ALL_CODES, InvalidArgument, NotFound
 from vmsandbox.images import recipe_names
-from vmsandbox.manager import Sandbox, SandboxManager, SandboxPaths
+from vmsandbox.manager import Sandbox, SandboxManager
+from vmsandbox.record import LIBVIRT_QEMU_LOG_DIR, SandboxFiles
 from vmsandbox.sizes import parse_size_mib
 from vmsandbox.spec import SandboxSpec, generate_name, validate_image_name, validate_name
 
@@ -95,7 +96,11 @@ def test_only_valid_sandbox_names_pass(name: str) -> None:
         return
     assert SandboxSpec(name=name).name == name
     cfg = dummy_config()
-    for path in SandboxPaths.of(cfg, name).files():
+    files = SandboxFiles.of(cfg, name)
+    for path in files.files():
+        if path == files.qemu_log:  # libvirt's own log of the domain
+            assert path == LIBVIRT_QEMU_LOG_DIR / f"vmsbx-{name}.log"
+            continue
         assert path.parent in (cfg.disks, cfg.sandboxes)
         assert path.name.startswith(name)
 

@@ -14,19 +14,23 @@ import pytest
 
 from vmsandbox import verify
 from vmsandbox.errors import GuestVerificationFailed, Unavailable
+from vmsandbox.fabric import nvlink
 from vmsandbox.guest import ExecResult
-from vmsandbox.host.model import Gpu
 from vmsandbox.verify import ExpectedGpu
 
 FIXTURES = Path(__file__).parent / "fixtures" / "guest"
-SMOKE = Path(verify.__file__).parent / "guest_tools" / "cuda_smoke.py"
+SMOKE = Path(verify.__file__).parent.parent / "guest_tools" / "cuda_smoke.py"
 CHECK_OF = {
     verify.LSPCI: "lspci",
     verify.DRIVER_PROBE: "probe",
     verify.NVIDIA_SMI: "nvidia-smi",
     verify.KERNEL_LOG: "kernel-log",
     verify.COMPUTE: "compute",
+    nvlink.CUDA_INIT: "cuda-init",
+    nvlink.NVLINK_STATUS: "nvlink",
+    nvlink.TOPOLOGY: "topology",
 }
+FABRIC = FIXTURES / "fabric"
 # The HGX H100 host of tests/fixtures/hosts/hgx_h100.umockdev, in allocation (hostdev) order.
 HGX_BDFS = [
     "0000:18:00.0",
@@ -112,13 +116,13 @@ def test_parse_lspci_reads_a_real_q35_guest() -> None:
         class_name="Host bridge",
         class_id="0600",
         description="Intel Corporation 82G33/G31/P35/P31 Express DRAM Controller",
-        vendor_id="8086",
-        device_id="29c0",
+        vendor_id="0x8086",
+        device_id="0x29c0",
     )
     sata = next(f for f in functions if f.address == "0000:00:1f.2")
     assert sata.description.endswith("6 port SATA Controller [AHCI mode]")
-    assert sata.ids == ("8086", "2922")
-    assert sum(1 for f in functions if f.ids == ("1b36", "000c")) == 5
+    assert sata.ids == ("0x8086", "0x2922")
+    assert sum(1 for f in functions if f.ids == ("0x1b36", "0x000c")) == 5
 
 
 @pytest.mark.parametrize(
@@ -128,34 +132,34 @@ def test_parse_lspci_reads_a_real_q35_guest() -> None:
             "01:00.0 3D controller [0302]: NVIDIA Corporation GH100 [H100 SXM5 80GB] [10de:2330] "
             "(rev a1)",
             "0000:01:00.0",
-            ("10de", "2330"),
+            ("0x10de", "0x2330"),
             "0302",
         ),
         (  # Debian 12's pci.ids spelling, as the guest prints it
             "0000:06:00.0 3D controller [0302]: NVIDIA Corporation GH100[H100 SXM5 80GB] "
             "[10de:2330] (rev a1)",
             "0000:06:00.0",
-            ("10de", "2330"),
+            ("0x10de", "0x2330"),
             "0302",
         ),
         (  # H200 (DGX), as lspci -nn printed it on a real host (see README)
             "1b:00.0 3D controller [0302]: NVIDIA Corporation GH100 [H200 SXM 141GB] [10de:2335] "
             "(rev a1)",
             "0000:1b:00.0",
-            ("10de", "2335"),
+            ("0x10de", "0x2335"),
             "0302",
         ),
         (  # no pci.ids in the guest
             "0000:06:00.0 Class [0302]: Device [10de:2330] (rev a1)",
             "0000:06:00.0",
-            ("10de", "2330"),
+            ("0x10de", "0x2330"),
             "0302",
         ),
         (  # a PCI domain above 0 (multi-segment hosts)
             "0001:c3:00.0 Display controller [0380]: Advanced Micro Devices, Inc. [AMD/ATI] "
             "Aqua Vanjaram [Instinct MI300X] [1002:74a1]",
             "0001:c3:00.0",
-            ("1002", "74a1"),
+            ("0x1002", "0x74a1"),
             "0380",
         ),
     ],
@@ -271,20 +275,6 @@ def test_driver_version_of_proc_file() -> None:
     text = (FIXTURES / "h100x1" / "probe.out").read_text()
     assert verify.driver_version_of(text) == "535.309.01"
     assert verify.driver_version_of("nvidia-smi: yes\n") is None
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("00000000:0A:00.0", "0000:0a:00.0"),
-        ("0000:0A:00.0", "0000:0a:00.0"),
-        ("0001:c3:00.7", "0001:c3:00.7"),
-        ("GPU-1234", None),
-        ("-", None),
-    ],
-)
-def test_canonical_bdf(text: str, expected: str | None) -> None:
-    assert verify.canonical_bdf(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -518,6 +508,53 @@ def test_companions_get_their_gpus_guest_slot() -> None:
     ]
 
 
+def rtx2080ti(bdf: str) -> ExpectedGpu:
+    """A GeForce RTX 2080 Ti: four functions (GPU, audio, USB, UCSI) on one card."""
+    slot = bdf[:-1]
+    return ExpectedGpu(
+        bdf=bdf,
+        vendor="nvidia",
+        vendor_id="0x10de",
+        device_id="0x1e07",
+        companions=(slot + "1", slot + "2", slot + "3"),
+        companion_ids=(("0x10de", "0x10f7"), ("0x10de", "0x1ad6"), ("0x10de", "0x1ad7")),
+    )
+
+
+def test_multi_function_cards_map_by_their_function_0_when_the_first_is_missing() -> None:
+    """Defect 8b: two 4-function cards on guest buses 06 and 07, the first missing. The second
+    card (host 42:00.0) is the one at 07:00.0; the first is reported missing, not the second."""
+    lspci = (FIXTURES / "rtx2080ti_companions" / "lspci.out").read_text()
+    port = "0000:00:01.5 PCI bridge [0604]: Red Hat, Inc. QEMU PCIe Root port [1b36:000c]\n"
+    lspci = lspci.replace(port, port + port.replace("01.5", "01.6")).replace(
+        "0000:06:00.", "0000:07:00."
+    )
+    cards = [rtx2080ti("0000:41:00.0"), rtx2080ti("0000:42:00.0")]
+    placement = verify.map_addresses(cards, verify.parse_lspci(lspci))
+    assert placement.gpus == (None, "0000:07:00.0")
+    assert placement.companions == (
+        (None, None, None),
+        ("0000:07:00.1", "0000:07:00.2", "0000:07:00.3"),
+    )
+    report = verify.verify(FakeGuest.scenario("rtx2080ti_companions", lspci=lspci), cards)
+    assert report.check("pci").detail == "1 of 2 GPUs seen"
+    assert report.gpus[0].problems[0] == ("not in the guest's lspci (no [10de:1e07] left to match)")
+    assert report.gpus[1].guest_address == "0000:07:00.0"
+    assert not any("lspci" in problem for problem in report.gpus[1].problems)
+
+
+def test_multi_function_cards_all_present_map_in_hostdev_order() -> None:
+    lspci = (FIXTURES / "rtx2080ti_companions" / "lspci.out").read_text()
+    port = "0000:00:01.5 PCI bridge [0604]: Red Hat, Inc. QEMU PCIe Root port [1b36:000c]\n"
+    second = "".join(line for line in lspci.splitlines(True) if line.startswith("0000:06:00."))
+    lspci = lspci.replace(port, port + port.replace("01.5", "01.6"))
+    lspci += second.replace("0000:06:00.", "0000:07:00.")
+    cards = [rtx2080ti("0000:41:00.0"), rtx2080ti("0000:42:00.0")]
+    placement = verify.map_addresses(cards, verify.parse_lspci(lspci))
+    assert placement.gpus == ("0000:06:00.0", "0000:07:00.0")
+    assert placement.companions[1] == ("0000:07:00.1", "0000:07:00.2", "0000:07:00.3")
+
+
 def test_a_missing_companion_fails() -> None:
     lspci = (FIXTURES / "rtx2080ti_companions" / "lspci.out").read_text()
     lspci = "".join(line for line in lspci.splitlines(True) if "[10de:1ad7]" not in line)
@@ -618,45 +655,22 @@ def test_a_guest_that_stops_answering_fails_the_check() -> None:
     assert report.problems[0].startswith("pci: could not run 'lspci'")
 
 
-def test_expected_gpu_from_inventory_gpu_and_record() -> None:
-    gpu = Gpu(
-        bdf="0000:0a:00.0",
-        vendor="nvidia",
-        vendor_id="0x10de",
-        device_id="0x1E07",
-        class_id="0x030000",
-        name="TU102 [GeForce RTX 2080 Ti Rev. A]",
-        driver="vfio-pci",
-        numa_node=None,
-        iommu_group=14,
-        group_members=(),
-        companions=("0000:0a:00.1",),
-        companion_ids=(("0x10de", "0x10f7"),),
-        bars=(),
-        bar_64bit_prefetchable_total=0,
-        memory_mib=11264,
-        memory_source="pci-id",
-        uuid=None,
-        bindable=True,
-        reasons=(),
-        in_use_by=None,
-        index=0,
-    )
-    expected = ExpectedGpu.from_gpu(gpu)
-    assert (expected.vendor_id, expected.device_id) == ("10de", "1e07")
-    assert expected.companion_ids == (("10de", "10f7"),)
+def test_expected_gpu_from_record_spells_ids_as_sysfs_does() -> None:
     record = {
         "bdf": "0000:0a:00.0",
         "vendor": "nvidia",
-        "vendor_id": "0x10de",
-        "device_id": "0x1e07",
+        "vendor_id": "0x10DE",
+        "device_id": "1e07",
         "name": "TU102 [GeForce RTX 2080 Ti Rev. A]",
         "memory_mib": 11264,
         "numa_node": None,
         "companions": ["0000:0a:00.1"],
-        "companion_ids": [["0x10de", "0x10f7"]],
+        "companion_ids": [["10de", "0x10F7"]],
     }
-    assert ExpectedGpu.from_record(record) == expected
+    expected = ExpectedGpu.from_record(record)
+    assert (expected.vendor_id, expected.device_id) == ("0x10de", "0x1e07")
+    assert expected.companion_ids == (("0x10de", "0x10f7"),)
+    assert expected.is_nvidia
 
 
 def test_render_report_table() -> None:
@@ -694,19 +708,6 @@ def test_report_to_dict_is_json() -> None:
     assert data["gpus"][2]["host_bdf"] == "0000:41:00.0"
     assert data["checks"][0] == {"name": "pci", "status": "passed", "detail": "8 of 8 GPUs seen"}
     assert verify.VerificationReport.from_dict(data) == report
-
-
-@pytest.mark.parametrize(
-    ("memory_mib", "gpus", "expected"),
-    [
-        (2048, 0, 240.0),
-        (65536, 0, 240.0),  # without VFIO nothing is pinned
-        (16384, 1, 240.0 + 8.0 + 30.0),
-        (2 * 1024 * 1024, 8, 240.0 + 1024.0 + 240.0),
-    ],
-)
-def test_boot_timeout(memory_mib: int, gpus: int, expected: float) -> None:
-    assert verify.boot_timeout(240.0, memory_mib, gpus) == expected
 
 
 # -- the smoke program, on a stand-in libcuda ---------------------------------------------------
@@ -779,3 +780,83 @@ def test_smoke_program_without_libcuda(tmp_path: Path) -> None:
     done = run_smoke(tmp_path)
     assert done.returncode == 1
     assert done.stdout.startswith("FAIL - cannot load the CUDA driver library libcuda.so.1: ")
+
+
+# -- the NVLink fabric of NVSwitch guests (verify(..., fabric=True)) ----------------------------
+
+
+def eight_gpu_nvlink_status() -> str:
+    """``nvidia-smi nvlink --status`` of eight GPUs with every link up: the posted A100 text
+    (tests/fixtures/guest/fabric, cut by its poster after two GPUs) repeated for GPUs 0 to 7."""
+    pair = (FABRIC / "a100x2_nvlink_status.out").read_text()
+    first = pair[: pair.index("GPU 1:")]
+    return "".join(first.replace("GPU 0:", f"GPU {index}:", 1) for index in range(8))
+
+
+def test_fabric_check_passes_eight_gpus_all_on_nvlink() -> None:
+    guest = FakeGuest.scenario(
+        "hgx_h100x8",
+        **{
+            "cuda-init": "cuInit 0\n",
+            "nvlink": eight_gpu_nvlink_status(),
+            "topology": (FABRIC / "h100x8_topo.out").read_text(),
+        },
+    )
+    report = verify.verify(guest, HGX, fabric=True)
+    assert report.ok, report.problems
+    assert guest.checks_run[-3:] == ["cuda-init", "nvlink", "topology"]
+    assert report.check("fabric") == verify.CheckResult(
+        "fabric",
+        "passed",
+        "cuda-init: cuInit succeeded; nvlink: 8 GPUs, 12 active links each; "
+        "topology: every GPU pair over NVLink (NV18)",
+    )
+
+
+def test_fabric_not_initialised_and_pcie_pairs_fail_with_the_fix() -> None:
+    guest = FakeGuest.scenario(
+        "hgx_h100x8",
+        **{
+            "cuda-init": (1, "", (FABRIC / "cuda802_pytorch_h200.out").read_text()),
+            "nvlink": (FABRIC / "a100x2_nvlink_status.out").read_text(),
+            "topology": (FABRIC / "rtx4090x8_sys_topo.out").read_text(),
+        },
+    )
+    report = verify.verify(guest, HGX, fabric=True)
+    assert not report.ok
+    assert report.check("fabric").status == "failed"
+    fabric = [problem for problem in report.problems if problem.startswith("fabric: ")]
+    assert fabric[0] == "fabric: cuda-init: " + nvlink.FABRIC_NOT_INITIALISED
+    assert "activated this sandbox's partition (fmpm -l)" in fabric[0]
+    assert fabric[1] == "fabric: nvlink: it lists 2 GPUs, 8 expected"
+    assert fabric[2].startswith("fabric: topology: pairs not connected by NVLink: GPU0-GPU1 SYS")
+    with pytest.raises(GuestVerificationFailed, match="fabric not initialised"):
+        verify.raise_if_failed(report)
+
+
+def test_inactive_links_fail_the_fabric_check() -> None:
+    v100 = (FABRIC / "v100_inactive_nvlink_status.out").read_text()
+    guest = FakeGuest.scenario(
+        "hgx_h100x8",
+        **{
+            "cuda-init": "cuInit 0\n",
+            "nvlink": v100,
+            "topology": (FABRIC / "h100x8_topo.out").read_text(),
+        },
+    )
+    report = verify.verify(guest, HGX, fabric=True)
+    assert report.check("fabric").detail == (
+        "nvlink: it lists 1 GPUs, 8 expected; GPU 3 links 3, 5 are inactive"
+    )
+
+
+def test_fabric_is_skipped_without_the_driver_and_never_run_unasked() -> None:
+    driverless = FakeGuest.scenario("hgx_h100x8", probe="nvidia-smi: no\n")
+    report = verify.verify(driverless, HGX, fabric=True)
+    assert driverless.checks_run == ["lspci", "probe"]
+    assert report.check("fabric") == verify.CheckResult(
+        "fabric", "skipped", "image has no NVIDIA driver"
+    )
+    plain = FakeGuest.scenario("hgx_h100x8")
+    assert verify.verify(plain, HGX).check("fabric") is None
+    assert not {"cuda-init", "nvlink", "topology"} & set(plain.checks_run)

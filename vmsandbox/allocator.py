@@ -15,18 +15,29 @@ Errors, most permanent first (a request with several problems gets the first tha
 
 ``details`` carries the data behind each message: ``valid_ids``, ``held_by`` (BDF -> domain),
 ``not_bindable`` (BDF -> reasons), ``filtered_out`` (BDF -> failed filters) and the counts.
+
+``allocate`` is the entry point the manager uses: ``select`` on a host without NVSwitches, and
+on an NVSwitch board the fabric policy (``vmsandbox.fabric.policy.choose``), which takes whole
+Fabric Manager partitions in shared NVSwitch mode and allows only the shapes that work in full
+passthrough. Its errors keep the same order; the policy's docstring lists them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from vmsandbox.gpuquery import memory_satisfies, model_matches
 from vmsandbox.host.discover import IOMMU_OFF
-from vmsandbox.host.model import Gpu, Inventory
+from vmsandbox.host.model import FabricDevice, Gpu, Inventory
 from vmsandbox.spec import GpuRequest
+
+if TYPE_CHECKING:
+    from vmsandbox.fabric.partitions import Partition
+    from vmsandbox.fabric.state import Fabric
 
 DEFAULT_MAX_GPUS = 16
 _LISTED = 3  # GPUs named one by one in a message before "and N more"
@@ -38,6 +49,32 @@ _LEVELS: tuple[_Level, ...] = (
     lambda gpu: gpu.numa_node,
     lambda gpu: gpu.pcie_switch or gpu.bdf,
 )
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What a sandbox gets: its GPUs (sorted by BDF), the Fabric Manager partition that
+    connects them (shared NVSwitch mode), and NVSwitches passed along (full passthrough)."""
+
+    gpus: tuple[Gpu, ...]
+    partition: Partition | None = None
+    switches: tuple[FabricDevice, ...] = ()
+
+
+def allocate(
+    request: GpuRequest,
+    inventory: Inventory,
+    *,
+    max_gpus: int = DEFAULT_MAX_GPUS,
+    fabric: Fabric | None = None,
+) -> Allocation:
+    """The allocation for ``request``: ``select`` when ``fabric`` is None or the host has no
+    NVSwitch, else the fabric policy for the host's fabric model."""
+    if fabric is None or not inventory.fabric:
+        return Allocation(tuple(select(request, inventory, max_gpus=max_gpus)))
+    from vmsandbox.fabric.policy import choose  # the policy builds on this module
+
+    return choose(request, inventory, fabric, max_gpus)
 
 
 def select(
@@ -60,7 +97,10 @@ def select(
     if request.devices:
         return _named(request, inventory, max_gpus)
     wanted = request.wanted()
-    matching = [gpu for gpu in inventory.gpus if gpu.bindable and not _misses(request, gpu)]
+    share = _unified_share(request, inventory)
+    matching = [
+        gpu for gpu in inventory.gpus if gpu.bindable and not request_misses(request, gpu, share)
+    ]
     if not matching or (wanted is not None and (wanted > max_gpus or wanted > len(matching))):
         raise _never(request, inventory, wanted, matching, max_gpus)
     free = [gpu for gpu in matching if gpu.in_use_by is None]
@@ -71,8 +111,9 @@ def select(
 
 
 def _named(request: GpuRequest, inventory: Inventory, max_gpus: int) -> list[Gpu]:
-    gpus = _resolve(request.devices, inventory)
-    filtered = {gpu.bdf: misses for gpu in gpus if (misses := _misses(request, gpu))}
+    gpus = resolve_devices(request.devices, inventory)
+    share = _unified_share(request, inventory)
+    filtered = {gpu.bdf: misses for gpu in gpus if (misses := request_misses(request, gpu, share))}
     if filtered:
         first_misses = next(iter(filtered.values()))
         raise InvalidArgument(
@@ -102,19 +143,14 @@ def _named(request: GpuRequest, inventory: Inventory, max_gpus: int) -> list[Gpu
     return gpus
 
 
-def _resolve(device_ids: Sequence[str], inventory: Inventory) -> list[Gpu]:
-    """The GPUs that canonical device ids name: BDF, ``GPU-`` UUID or inventory index."""
+def resolve_devices(device_ids: Sequence[str], inventory: Inventory) -> list[Gpu]:
+    """The GPUs that canonical device ids name: BDF, ``GPU-`` UUID, DRM card or index."""
     gpus: dict[str, Gpu] = {}
     named_as: dict[str, str] = {}
     for device_id in device_ids:
-        gpu = _lookup(device_id, inventory)
+        gpu = inventory.by_device_id(device_id)
         if gpu is None:
-            valid = [
-                ident
-                for gpu in inventory.gpus
-                for ident in (gpu.bdf, str(gpu.index), gpu.uuid)
-                if ident is not None
-            ]
+            valid = [ident for gpu in inventory.gpus for ident in gpu.device_ids()]
             choices = ", ".join(valid) if valid else "none: this host has no GPUs"
             raise InvalidArgument(
                 f"devices: no GPU {device_id!r} on this host; valid ids: {choices}",
@@ -131,28 +167,43 @@ def _resolve(device_ids: Sequence[str], inventory: Inventory) -> list[Gpu]:
     return list(gpus.values())
 
 
-def _lookup(device_id: str, inventory: Inventory) -> Gpu | None:
-    if ":" in device_id:
-        return inventory.by_bdf(device_id)
-    if device_id.startswith("GPU-"):
-        return next(
-            (g for g in inventory.gpus if (g.uuid or "").lower() == device_id.lower()), None
-        )
-    return next((gpu for gpu in inventory.gpus if str(gpu.index) == device_id), None)
+def _unified_share(request: GpuRequest, inventory: Inventory) -> int | None:
+    """MiB of the unified memory pool each asked-for GPU may count on, as FlowMesh reckons it.
+
+    FlowMesh (``unified_gpu_memory_satisfies`` in src/shared/utils/hardware.py): on a host whose
+    GPUs use the host's memory, the pool divided by the number of GPUs asked for (1 for every
+    free GPU) stands in for each GPU's own memory.
+    """
+    if inventory.unified_memory_mib is None:
+        return None
+    return inventory.unified_memory_mib // (request.wanted() or 1)
 
 
-def _misses(request: GpuRequest, gpu: Gpu) -> dict[str, str]:
-    """Each filter of ``request`` that ``gpu`` fails: field name -> why."""
+def request_misses(
+    request: GpuRequest, gpu: Gpu, unified_share: int | None = None
+) -> dict[str, str]:
+    """Each filter of ``request`` that ``gpu`` fails: field name -> why.
+
+    ``unified_share`` stands in for the memory of a GPU whose ``memory_source`` is "unified".
+    """
     misses = {}
     if request.vendor is not None and gpu.vendor != request.vendor:
         misses["vendor"] = f"it is an {gpu.vendor} GPU, not {request.vendor}"
     if request.model is not None and not (gpu.name and model_matches(request.model, gpu.name)):
         name = f"{gpu.name!r} does not match" if gpu.name else "is unknown, so it cannot match"
         misses["model"] = f"its name {name} {request.model!r}"
+    memory = gpu.memory_mib
+    if memory is None and gpu.memory_source == "unified":
+        memory = unified_share
     if request.min_memory_mib is not None and not (
-        gpu.memory_mib is not None and memory_satisfies(request.min_memory_mib, gpu.memory_mib)
+        memory is not None and memory_satisfies(request.min_memory_mib, memory)
     ):
-        has = f"{gpu.memory_mib} MiB" if gpu.memory_mib is not None else "an unknown amount"
+        if gpu.memory_mib is not None:
+            has = f"{gpu.memory_mib} MiB"
+        elif memory is not None:
+            has = f"a {memory} MiB share of the host's unified memory"
+        else:
+            has = "an unknown amount"
         misses["min_memory_mib"] = f"it has {has}, {request.min_memory_mib} MiB asked"
     return misses
 
@@ -208,10 +259,11 @@ def _never(
             f"{asked} asked, but a sandbox takes at most {max_gpus}", details=details
         )
     not_bindable = {gpu.bdf: list(gpu.reasons) for gpu in inventory.gpus if not gpu.bindable}
+    share = _unified_share(request, inventory)
     filtered = {
         gpu.bdf: misses
         for gpu in inventory.gpus
-        if gpu.bindable and (misses := _misses(request, gpu))
+        if gpu.bindable and (misses := request_misses(request, gpu, share))
     }
     details |= {"gpus": len(inventory.gpus), "not_bindable": not_bindable}
     details |= {"filtered_out": filtered, "iommu": inventory.iommu}

@@ -50,23 +50,27 @@ def mirror_lines(suite: str, components: list[str], root: Path = Path("/etc/apt"
 
 
 def _parse_one_line(text: str) -> list[AptSource]:
+    """``deb [opt=value ...] URI SUITE [COMPONENT...]`` lines; the options in brackets may be
+    one or several, with or without spaces inside the brackets."""
     out = []
     for raw in text.splitlines():
-        words = raw.split("#", 1)[0].split()
-        if len(words) < 3 or words[0] != "deb":
+        parts = raw.split("#", 1)[0].split(maxsplit=1)
+        if len(parts) < 2 or parts[0] != "deb":
             continue
-        signed_by = None
-        if words[1].startswith("["):
-            options = []
-            while words and not words[0].endswith("]"):
-                options.append(words.pop(0))
-            options.append(words.pop(0))
-            words.insert(0, "deb")
-            for option in " ".join(options).strip("[] ").split():
-                if option.startswith("signed-by="):
-                    signed_by = option.split("=", 1)[1]
-        if len(words) >= 3:
-            out.append(AptSource(uri=words[1], suite=words[2], signed_by=signed_by))
+        rest = parts[1]
+        options: list[str] = []
+        if rest.startswith("["):
+            inside, closed, rest = rest[1:].partition("]")
+            if not closed:
+                continue
+            options = inside.split()
+        words = rest.split()
+        if len(words) < 2:
+            continue
+        signed_by = next(
+            (opt.split("=", 1)[1] for opt in options if opt.startswith("signed-by=")), None
+        )
+        out.append(AptSource(uri=words[0], suite=words[1], signed_by=signed_by))
     return out
 
 

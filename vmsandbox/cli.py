@@ -3,19 +3,28 @@
 Heavy modules (libvirt, lxml, paramiko, pyudev) are imported inside the commands that need them,
 so ``vmsandbox --help`` starts fast. Every failure prints ``error: CODE: message`` (or a JSON
 error object with ``--json``) and exits non-zero; never a traceback.
+
+Handlers take the parsed arguments and an ``Output`` (text or JSON, chosen by ``--json``, which
+every command accepts before or after its name). Only ``create`` and ``reconcile`` repair
+half-made sandboxes: reading commands never delete anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
+from vmsandbox.cli_args import build_parser, glue_negative_values
 from vmsandbox.errors import InvalidArgument, VmSandboxError
+
+if TYPE_CHECKING:  # imported inside the commands that need them, so --help starts fast
+    from vmsandbox.config import Config
+    from vmsandbox.images import ImageStore
 
 EXIT_CODES = {
     "INTERNAL": 1,
@@ -29,185 +38,71 @@ EXIT_CODES = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises INVALID_ARGUMENT instead of printing and exiting."""
+class Output:
+    """Where a command's result goes: a text writer; ``JsonOutput`` writes JSON instead."""
 
-    def error(self, message: str) -> NoReturn:
-        # argparse quotes the offending arguments as typed: escape what is not printable, so
-        # that no argument can add a line (or a terminal escape) to the one-line error.
-        raise InvalidArgument(f"{self.prog}: {_printable(message)}")
+    json = False
 
+    def result(self, data: Any, text: str) -> None:
+        """The command's result: ``text`` for people, ``data`` for programs."""
+        print(text)
 
-def _printable(text: str) -> str:
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def _size_mib(text: str) -> int:
-    from vmsandbox.sizes import parse_size_mib
-
-    return parse_size_mib(text, field="--memory", default_unit="MiB")
+    def error(self, exc: VmSandboxError, **extra: Any) -> None:
+        """A failure: ``error: CODE: message`` on stderr (a failed verification's table first);
+        ``extra`` is what the command did before it failed (JSON output carries it)."""
+        if isinstance(exc.details.get("verification"), dict):
+            print(_report_table(exc.details["verification"]), file=sys.stderr)
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
 
 
-def _size_gib(text: str) -> int:
-    from vmsandbox.sizes import parse_size_mib
+class JsonOutput(Output):
+    """One JSON object on stdout, the result or ``{"error": {...}}`` beside what was done."""
 
-    mib = parse_size_mib(text, field="--disk", default_unit="GiB")
-    if mib % 1024:
-        raise InvalidArgument(f"--disk {text!r} must be a whole number of GiB (e.g. 10G, 10GiB)")
-    return mib // 1024
+    json = True
 
+    def result(self, data: Any, text: str) -> None:
+        print(json.dumps(data, indent=2))
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidArgument(
-            f"--timeout {text!r} is not a number of seconds above 0",
-            details={"field": "--timeout", "value": text},
-        )
-    return value
-
-
-def _positive(text: str) -> int:
-    if not text.isascii() or not text.isdigit() or int(text) < 1:
-        raise InvalidArgument(f"{text!r} is not a positive integer")
-    return int(text)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="vmsandbox", description="libvirt VM sandboxes with GPU passthrough")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    create = sub.add_parser("create", help="create and boot a sandbox")
-    create.add_argument("name", nargs="?", help="sandbox name (generated when omitted)")
-    create.add_argument("--image", default="minimal", help="base image (default: minimal)")
-    create.add_argument("--cpus", type=_positive, default=1)
-    create.add_argument("--memory", type=_size_mib, default=1024, help="e.g. 2048, 2G (MiB)")
-    create.add_argument("--disk", type=_size_gib, default=4, help="e.g. 10, 10G (GiB)")
-    create.add_argument("--virt-type", choices=("auto", "kvm", "qemu"), default="auto")
-    create.add_argument("--timeout", type=_seconds, help="seconds to wait for SSH")
-    create.add_argument("--no-wait", action="store_true", help="return once the domain runs")
-    create.add_argument(
-        "--no-verify", action="store_true", help="skip checking the GPUs from inside the guest"
-    )
-    create.add_argument(
-        "--keep-on-failure",
-        action="store_true",
-        help="keep the sandbox when GPU verification fails (for inspection)",
-    )
-    create.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="choose GPUs and print the domain XML (stdout) and GPUs (stderr); define nothing",
-    )
-    create.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-    gpu = create.add_argument_group("GPUs (OpenShell driver flags)")
-    gpu.add_argument("--gpu", nargs="?", const="1", metavar="N", help="one free GPU, or N")
-    gpu.add_argument("--gpu-count", type=_positive, metavar="N", help="exactly N GPUs")
-    gpu.add_argument(
-        "--gpu-device",
-        action="append",
-        default=[],
-        metavar="ID",
-        help="a GPU by PCI address, NVIDIA UUID or inventory index (repeatable)",
-    )
-    gpu.add_argument("--gpu-all", action="store_true", help="every free GPU")
-    gpu.add_argument("--gpu-vendor", choices=("nvidia", "amd"))
-    gpu.add_argument("--gpu-model", metavar="MODEL", help="e.g. H100 (whole words)")
-    gpu.add_argument("--gpu-memory", metavar="SIZE", help="minimum memory per GPU, e.g. 80Gi")
-
-    gpus = sub.add_parser("gpus", help="list this host's GPUs and whether they can be passed")
-    gpus.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-
-    sub.add_parser("list", help="list sandboxes").add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-    show = sub.add_parser("show", help="show one sandbox")
-    show.add_argument("name")
-    show.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-
-    exec_ = sub.add_parser("exec", help="run a command in a sandbox (exit status is its own)")
-    exec_.add_argument("name")
-    exec_.add_argument("argv", nargs="*", help="-- CMD [ARGS...]")
-    exec_.add_argument("--timeout", type=_seconds)
-
-    ssh = sub.add_parser("ssh", help="interactive OpenSSH session with the pinned host key")
-    ssh.add_argument("name")
-    ssh.add_argument("argv", nargs="*", help="[-- CMD [ARGS...]]")
-
-    destroy = sub.add_parser("destroy", help="stop and remove sandboxes")
-    destroy.add_argument("names", nargs="+")
-    destroy.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-
-    verify = sub.add_parser("verify", help="re-check a sandbox's GPUs from inside the guest")
-    verify.add_argument("name")
-    verify.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-
-    reconcile = sub.add_parser("reconcile", help="remove half-made sandboxes")
-    reconcile.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-
-    images = sub.add_parser("images", help="build, import and list guest images")
-    images_sub = images.add_subparsers(dest="images_command", required=True, parser_class=_Parser)
-    build = images_sub.add_parser("build", help="build an image from its recipe in images/")
-    build.add_argument("recipe")
-    build.add_argument("--force", action="store_true", help="rebuild even when cached")
-    build.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-    images_sub.add_parser("list", help="list built images").add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-    imp = images_sub.add_parser("import", help="import a qcow2 or raw disk image")
-    imp.add_argument("path")
-    imp.add_argument("name")
-    imp.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-    return parser
+    def error(self, exc: VmSandboxError, **extra: Any) -> None:
+        print(json.dumps({**extra, "error": exc.to_dict()}, indent=2))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     ours, guest_argv = _split_guest_command(args_list)
-    want_json = "--json" in ours
+    ours = glue_negative_values(ours)
+    # Until the arguments parse, --json anywhere in ours chooses how their error is shown.
+    out: Output = JsonOutput() if "--json" in ours else Output()
     try:
         args = build_parser().parse_args(ours)
+        out = JsonOutput() if args.json else Output()
         if guest_argv is not None:
             if args.argv:
                 raise InvalidArgument(f"{args.command}: give the command once, after '--'")
             args.argv = guest_argv
-        return _dispatch(args)
+        return _HANDLERS[args.command](args, out)
     except VmSandboxError as exc:
-        _print_error(exc, want_json)
+        out.error(exc)
         return EXIT_CODES.get(exc.code, 1)
     except KeyboardInterrupt:
         print("error: CANCELLED: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (``vmsandbox list | head``): nothing more can be said to it, and
+        # Python's flush at exit must not fail again on the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as exc:
         if os.environ.get("VMSANDBOX_DEBUG"):
             raise
-        _print_error(VmSandboxError(f"{type(exc).__name__}: {exc}"), want_json)
+        out.error(VmSandboxError(f"{type(exc).__name__}: {exc}"))
         return 1
 
 
 def _split_guest_command(args_list: list[str]) -> tuple[list[str], list[str] | None]:
     """For exec and ssh, what follows the first "--" is the guest's command line, never read
-    by our parser (argparse's REMAINDER would also take our own options written after NAME)."""
+    by our parser (argparse's REMAINDER would also take our own options written after NAME).
+    It is passed on whole: a guest command may itself start with "--"."""
     command = next((arg for arg in args_list if not arg.startswith("-")), None)
     if command in ("exec", "ssh") and "--" in args_list:
         cut = args_list.index("--")
@@ -215,37 +110,15 @@ def _split_guest_command(args_list: list[str]) -> tuple[list[str], list[str] | N
     return args_list, None
 
 
-def _print_error(exc: VmSandboxError, want_json: bool) -> None:
-    if want_json:
-        print(json.dumps({"error": exc.to_dict()}, indent=2))
-    else:
-        if isinstance(exc.details.get("verification"), dict):
-            print(_report_table(exc.details["verification"]), file=sys.stderr)
-        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
-
-
-def _emit(data: Any, text: str) -> None:
-    print(json.dumps(data, indent=2) if _JSON else text)
-
-
-_JSON = False
-
-
-def _manager(progress: bool = True) -> Any:
+def _manager(*, progress: bool = False, reconcile: bool = False) -> Any:
+    """A SandboxManager; ``reconcile`` only for the commands that repair (create, reconcile)."""
     from vmsandbox.manager import SandboxManager
     from vmsandbox.progress import StderrProgress, silent
 
-    return SandboxManager(progress=StderrProgress() if progress else silent)
+    return SandboxManager(progress=StderrProgress() if progress else silent, reconcile=reconcile)
 
 
-def _dispatch(args: argparse.Namespace) -> int:
-    global _JSON
-    _JSON = bool(getattr(args, "json", False))
-    handler = _HANDLERS[args.command]
-    return handler(args)
-
-
-def _cmd_create(args: argparse.Namespace) -> int:
+def _cmd_create(args: argparse.Namespace, out: Output) -> int:
     from vmsandbox.compat.cliflags import gpu_request_from_flags, parse_gpu_flag_value
     from vmsandbox.spec import SandboxSpec
 
@@ -268,7 +141,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
         gpu=gpu_request,
     )
     if args.dry_run:
-        with _manager(progress=False) as manager:
+        with _manager() as manager:
             xml, chosen = manager.dry_run(spec)
         for gpu in chosen:
             print(
@@ -277,7 +150,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
             )
         sys.stdout.write(xml)
         return 0
-    with _manager() as manager:
+    with _manager(progress=True, reconcile=True) as manager:
         sandbox = manager.create(
             spec,
             wait=not args.no_wait,
@@ -285,12 +158,12 @@ def _cmd_create(args: argparse.Namespace) -> int:
             keep_on_failure=args.keep_on_failure,
             timeout=args.timeout,
         )
-    _emit(sandbox.to_dict(), _describe(sandbox.to_dict()))
+    out.result(sandbox.to_dict(), _describe(sandbox.to_dict()))
     return 0
 
 
-def _cmd_list(_args: argparse.Namespace) -> int:
-    with _manager(progress=False) as manager:
+def _cmd_list(_args: argparse.Namespace, out: Output) -> int:
+    with _manager() as manager:
         sandboxes = [sandbox.to_dict() for sandbox in manager.list()]
     rows = [
         (
@@ -305,27 +178,24 @@ def _cmd_list(_args: argparse.Namespace) -> int:
         for s in sandboxes
     ]
     table = _table(("NAME", "STATE", "IMAGE", "CPUS", "MEMORY", "SSH", "GPUS"), rows)
-    _emit({"sandboxes": sandboxes}, table if rows else "no sandboxes")
+    out.result({"sandboxes": sandboxes}, table if rows else "no sandboxes")
     return 0
 
 
-def _cmd_show(args: argparse.Namespace) -> int:
-    with _manager(progress=False) as manager:
+def _cmd_show(args: argparse.Namespace, out: Output) -> int:
+    with _manager() as manager:
         data = manager.get(args.name).to_dict()
-    _emit(data, _describe(data))
+    out.result(data, _describe(data))
     return 0
 
 
-def _cmd_exec(args: argparse.Namespace) -> int:
-    argv = list(args.argv)
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    if not argv:
+def _cmd_exec(args: argparse.Namespace, _out: Output) -> int:
+    if not args.argv:
         raise InvalidArgument("exec needs a command: vmsandbox exec NAME -- CMD [ARGS...]")
-    with _manager(progress=False) as manager:
+    with _manager() as manager:
         result = manager.exec(
             args.name,
-            argv,
+            list(args.argv),
             timeout=args.timeout,
             stdout=sys.stdout.buffer,
             stderr=sys.stderr.buffer,
@@ -333,36 +203,68 @@ def _cmd_exec(args: argparse.Namespace) -> int:
     return result.exit_status
 
 
-def _cmd_ssh(args: argparse.Namespace) -> int:
-    argv = list(args.argv)
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    with _manager(progress=False) as manager:
-        command = manager.ssh_argv(args.name, argv)
+def _cmd_ssh(args: argparse.Namespace, _out: Output) -> int:
+    with _manager() as manager:
+        command = manager.ssh_argv(args.name, list(args.argv))
     sys.stdout.flush()
     os.execvp(command[0], command)
     return 0  # not reached
 
 
-def _cmd_destroy(args: argparse.Namespace) -> int:
+def _cmd_destroy(args: argparse.Namespace, out: Output) -> int:
+    """Destroy the names in order, stopping at the first failure; that failure's error says
+    which were destroyed before it, which one failed and which were not tried."""
     from vmsandbox.spec import validate_name
 
     for name in args.names:
         validate_name(name)
-    with _manager(progress=False) as manager:
+    destroyed: list[str] = []
+    with _manager() as manager:
         for name in args.names:
-            manager.destroy(name)
-            if not _JSON:
+            try:
+                manager.destroy(name)
+            except VmSandboxError as exc:
+                out.error(
+                    exc,
+                    destroyed=destroyed,
+                    failed=name,
+                    not_tried=args.names[len(destroyed) + 1 :],
+                )
+                return EXIT_CODES.get(exc.code, 1)
+            destroyed.append(name)
+            if not out.json:
                 print(f"destroyed {name}")
-    if _JSON:
-        print(json.dumps({"destroyed": args.names}))
+    if out.json:
+        out.result({"destroyed": destroyed}, "")
     return 0
 
 
-def _cmd_verify(args: argparse.Namespace) -> int:
-    with _manager(progress=False) as manager:
+def _cmd_stop(args: argparse.Namespace, out: Output) -> int:
+    with _manager() as manager:
+        data = manager.stop(args.name, grace=args.grace).to_dict()
+    out.result(data, f"stopped {args.name}")
+    return 0
+
+
+def _cmd_start(args: argparse.Namespace, out: Output) -> int:
+    with _manager(progress=not args.json) as manager:
+        data = manager.start(
+            args.name, wait=not args.no_wait, verify=not args.no_verify, timeout=args.timeout
+        ).to_dict()
+    out.result(data, f"started {args.name} ({data['state']})")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace, _out: Output) -> int:
+    from vmsandbox.openshell.server import serve
+
+    return serve(args.openshell_socket)
+
+
+def _cmd_verify(args: argparse.Namespace, out: Output) -> int:
+    with _manager() as manager:
         report = manager.verify(args.name)
-    _emit(report, _report_table(report))
+    out.result(report, _report_table(report))
     return 0 if report["ok"] else EXIT_CODES["FAILED_PRECONDITION"]
 
 
@@ -372,45 +274,54 @@ def _report_table(report: dict[str, Any]) -> str:
     return render_report(VerificationReport.from_dict(report))
 
 
-def _cmd_gpus(_args: argparse.Namespace) -> int:
+def _cmd_gpus(_args: argparse.Namespace, out: Output) -> int:
+    from vmsandbox.fabric.render import report
     from vmsandbox.host import render_table
 
-    with _manager(progress=False) as manager:
+    with _manager() as manager:
         inventory = manager.gpus()
-    if _JSON:
-        print(json.dumps(inventory.to_dict(), indent=2))
-    else:
-        sys.stdout.write(render_table(inventory))
+        fabric_text, fabric = report(manager.config, inventory)
+    out.result(
+        {**inventory.to_dict(), "nvswitch_fabric": fabric},
+        (render_table(inventory) + fabric_text).rstrip("\n"),
+    )
     return 0
 
 
-def _cmd_reconcile(_args: argparse.Namespace) -> int:
-    from vmsandbox.manager import SandboxManager
-
-    with SandboxManager(reconcile=False) as manager:
+def _cmd_reconcile(_args: argparse.Namespace, out: Output) -> int:
+    with _manager() as manager:
         report = manager.reconcile()
     text = "\n".join(
         [f"removed {name}" for name in report["removed"]]
+        + [f"released fabric partition {p}" for p in report["fabric_partitions"]]
         + [f"could not fix: {p}" for p in report["problems"]]
     )
-    _emit(report, text or "nothing to reconcile")
+    out.result(report, text or "nothing to reconcile")
     return 1 if report["problems"] else 0
 
 
-def _cmd_images(args: argparse.Namespace) -> int:
+def _cmd_images(args: argparse.Namespace, out: Output) -> int:
     from pathlib import Path
 
     from vmsandbox.config import Config
     from vmsandbox.images import ImageStore
     from vmsandbox.progress import StderrProgress
 
-    store = ImageStore(Config.load().images)
+    config = Config.load()
+    store = ImageStore(config.images)
+    if args.images_command in ("rm", "prune"):
+        return _images_remove(args, config, store, out)
     if args.images_command == "build":
         image = store.build(args.recipe, force=args.force, progress=StderrProgress())
-        _emit(image.to_dict(), f"built {image.name} ({image.id}) at {image.disk}")
+        out.result(image.to_dict(), f"built {image.name} ({image.id}) at {image.disk}")
     elif args.images_command == "import":
-        image = store.import_image(Path(args.path), args.name, progress=StderrProgress())
-        _emit(image.to_dict(), f"imported {image.name} ({image.id}) at {image.disk}")
+        image = store.import_image(
+            Path(args.path),
+            args.name,
+            max_disk_gib=config.max_disk_gib,
+            progress=StderrProgress(),
+        )
+        out.result(image.to_dict(), f"imported {image.name} ({image.id}) at {image.disk}")
     else:
         images = [image.to_dict() for image in store.list()]
         rows = [
@@ -425,8 +336,33 @@ def _cmd_images(args: argparse.Namespace) -> int:
             for i in images
         ]
         table = _table(("NAME", "ID", "KIND", "KERNEL", "SIZE", "BUILT"), rows)
-        _emit({"images": images}, table if rows else "no images built")
+        out.result({"images": images}, table if rows else "no images built")
     return 0
+
+
+def _images_remove(args: argparse.Namespace, config: Config, store: ImageStore, out: Output) -> int:
+    """``images rm NAME`` and ``images prune``: what was removed and the disk space freed."""
+    from vmsandbox.hypervisor import open_connection
+    from vmsandbox.image_users import image_users
+
+    conn = open_connection(config.uri)
+    try:
+        users = functools.partial(image_users, conn, store)
+        if args.images_command == "rm":
+            removed = store.remove(args.name, users)
+        else:
+            removed = store.prune(users)
+    finally:
+        conn.close()
+    freed = sum(build.bytes for build in removed)
+    lines = [f"removed {b.name} {b.id} ({_mib(b.bytes)})" for b in removed]
+    text = "\n".join([*lines, f"freed {_mib(freed)}"]) if removed else "nothing to remove"
+    out.result({"removed": [build.to_dict() for build in removed], "freed_bytes": freed}, text)
+    return 0
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def _describe(data: dict[str, Any]) -> str:
@@ -450,20 +386,21 @@ def _describe(data: dict[str, Any]) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=False)]
-    return "\n".join(
-        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
-        for row in (headers, *rows)
-    )
+    from vmsandbox.tables import render_grid
+
+    return "\n".join(render_grid(headers, rows))
 
 
-_HANDLERS = {
+_HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "create": _cmd_create,
     "list": _cmd_list,
     "show": _cmd_show,
     "exec": _cmd_exec,
     "ssh": _cmd_ssh,
     "destroy": _cmd_destroy,
+    "stop": _cmd_stop,
+    "start": _cmd_start,
+    "serve": _cmd_serve,
     "reconcile": _cmd_reconcile,
     "gpus": _cmd_gpus,
     "verify": _cmd_verify,

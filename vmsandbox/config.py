@@ -2,7 +2,10 @@
 
 File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Environment variables
 override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
-``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``.
+``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
+``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS`` (comma-separated), and for
+NVSwitch boards ``VMSANDBOX_FMPM``, ``VMSANDBOX_FM_UNIX_SOCKET``, ``VMSANDBOX_FM_HOSTNAME``,
+``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``, ``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from vmsandbox import virt
 from vmsandbox.errors import InvalidArgument
 
 DEFAULT_CONFIG_FILE = "/etc/vmsandbox/config.toml"
@@ -24,7 +28,16 @@ _ENV = {
     "virt_type": "VMSANDBOX_VIRT_TYPE",
     "network": "VMSANDBOX_NETWORK",
     "boot_timeout": "VMSANDBOX_BOOT_TIMEOUT",
+    "openshell_allowed_uids": "VMSANDBOX_OPENSHELL_ALLOWED_UIDS",
+    "fmpm": "VMSANDBOX_FMPM",
+    "fm_unix_socket": "VMSANDBOX_FM_UNIX_SOCKET",
+    "fm_hostname": "VMSANDBOX_FM_HOSTNAME",
+    "fabric_manager": "VMSANDBOX_FABRIC_MANAGER",
+    "fm_version": "VMSANDBOX_FM_VERSION",
+    "fabric_manager_config": "VMSANDBOX_FABRIC_MANAGER_CONFIG",
+    "probe_qemu": "VMSANDBOX_PROBE_QEMU",
 }
+_PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config")
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,8 @@ class Config:
     state_dir: Path = Path("/var/lib/vmsandbox")
     image_dir: Path | None = None  # default: <state_dir>/images
     virt_type: str = "auto"  # "auto" | "kvm" | "qemu"
+    # The QEMU that ``auto`` boots to see whether KVM runs guests (vmsandbox/virt.py).
+    probe_qemu: str = virt.QEMU
     # "user": QEMU user-mode network, guest port 22 forwarded to 127.0.0.1:<free port>.
     # Any other value names a libvirt network; the guest address comes from its DHCP lease.
     network: str = "user"
@@ -50,6 +65,27 @@ class Config:
     numa_pinning: bool = True
     ovmf_code: Path = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
     ovmf_vars: Path = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+    # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver socket.
+    openshell_allowed_uids: tuple[int, ...] = ()
+    # The OpenShell supervisor (openshell-sandbox binary) every driver-made sandbox runs, the
+    # gateway endpoint it dials (on this host's loopback) and, for https, the TLS files it gets.
+    openshell_supervisor: str = ""
+    openshell_gateway_endpoint: str = ""
+    openshell_tls_ca: str = ""
+    openshell_tls_cert: str = ""
+    openshell_tls_key: str = ""
+    # NVSwitch boards (vmsandbox.fabric). Fabric Manager's config, read for FABRIC_MODE:
+    fabric_manager_config: Path = Path("/usr/share/nvidia/nvswitch/fabricmanager.cfg")
+    # fmpm (NVIDIA/Fabric-Manager-Client): a path, or a name looked up on PATH; and the FM
+    # instance it talks to: a unix socket (FM_CMD_UNIX_SOCKET_PATH) or a host name or address
+    # (FM_CMD_BIND_INTERFACE), at most one; neither is fmpm's default, 127.0.0.1.
+    fmpm: str = "fmpm"
+    fm_unix_socket: str = ""
+    fm_hostname: str = ""
+    # Where FM's release is read (``nv-fabricmanager --version``), unless fm_version gives it
+    # (FM in a service VM): the guest's NVIDIA driver must be that release.
+    fabric_manager: str = "nv-fabricmanager"
+    fm_version: str = ""
 
     @property
     def images(self) -> Path:
@@ -87,6 +123,15 @@ class Config:
         return _coerce(cls(), values, file)
 
 
+def _uids(raw: Any) -> tuple[int, ...]:
+    """A list of uids: a TOML list of integers, or a comma-separated string (environment)."""
+    items = raw if isinstance(raw, list) else [part for part in str(raw).split(",") if part]
+    uids = tuple(int(item) for item in items)
+    if any(uid < 0 for uid in uids):
+        raise ValueError(f"uids are not negative, got {list(uids)}")
+    return uids
+
+
 def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
     known = {f.name: f for f in fields(Config)}
     changes: dict[str, Any] = {}
@@ -98,7 +143,9 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
             )
         default = getattr(base, key)
         try:
-            if isinstance(default, bool):
+            if isinstance(default, tuple):
+                value = _uids(raw)
+            elif isinstance(default, bool):
                 value: Any = (
                     raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
                 )
@@ -106,7 +153,7 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
                 value = int(raw)
             elif isinstance(default, float):
                 value = float(raw)
-            elif key in ("state_dir", "image_dir", "ovmf_code", "ovmf_vars"):
+            elif key in _PATHS:
                 value = Path(raw)
             else:
                 value = str(raw)
@@ -117,5 +164,11 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
     if config.virt_type not in ("auto", "kvm", "qemu"):
         raise InvalidArgument(
             f"config virt_type {config.virt_type!r} is not one of auto, kvm, qemu"
+        )
+    if config.fm_unix_socket and config.fm_hostname:
+        raise InvalidArgument(
+            f"config sets both fm_unix_socket {config.fm_unix_socket!r} and fm_hostname "
+            f"{config.fm_hostname!r}; fmpm reaches Fabric Manager through one: keep one of them",
+            details={"field": "fm_hostname", "value": config.fm_hostname},
         )
     return config

@@ -15,7 +15,9 @@ from typing import Any
 
 from lxml import etree
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "domain.xml"
+from vmsandbox.resources import TEMPLATES
+
+TEMPLATE = TEMPLATES / "domain.xml"
 METADATA_NS = "https://vmsandbox.dev/xmlns/sandbox/1"
 METADATA_KEY = "vmsandbox"
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
@@ -37,6 +39,7 @@ class DomainPlan:
     seed: Path
     console_log: Path
     record: dict[str, Any]
+    state: str = "creating"  # the lifecycle state stored beside the record
     kernel: Path | None = None
     initrd: Path | None = None
     cmdline: str | None = None
@@ -60,7 +63,7 @@ def build_domain_xml(plan: DomainPlan) -> str:
     uuid = etree.Element("uuid")
     uuid.text = plan.uuid
     root.find("name").addnext(uuid)
-    _set_metadata(root.find("metadata"), plan.record, state=plan.record.get("state", "creating"))
+    _set_metadata(root.find("metadata"), plan.record, state=plan.state)
     for tag in ("memory", "currentMemory"):
         root.find(tag).text = str(plan.memory_mib)
     root.find("vcpu").text = str(plan.cpus)
@@ -94,6 +97,10 @@ def _set_os(os_el: etree._Element, plan: DomainPlan) -> None:
         etree.SubElement(os_el, "cmdline").text = plan.cmdline or ""
     else:
         etree.SubElement(os_el, "boot", dev="hd")
+    if not plan.uefi:
+        # SeaBIOS writes to the serial console too ("No bootable device." must reach the log);
+        # OVMF does so by itself.
+        etree.SubElement(os_el, "bios", useserial="yes")
 
 
 def _add_disks(devices: etree._Element, before: etree._Element, plan: DomainPlan) -> None:
@@ -159,9 +166,3 @@ def read_metadata(domain_xml: str) -> tuple[dict[str, Any], str] | None:
     if not isinstance(record, dict):
         return None
     return record, sandbox.get("state", "unknown")
-
-
-def console_log_of(domain_xml: str) -> str | None:
-    root = etree.fromstring(domain_xml.encode(), etree.XMLParser(resolve_entities=False))
-    log = root.find("devices/serial/log")
-    return log.get("file") if log is not None else None

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from fractions import Fraction
 
 from vmsandbox.errors import InvalidArgument
+from vmsandbox.host.bdf import MAX_DEVICE, parse_bdf
 
 MiB = 1 << 20
 GPU_VENDORS = ("nvidia", "amd")
@@ -24,13 +25,15 @@ MEMORY_TOLERANCE_PERCENT = 1
 
 DEVICE_ID_SPELLINGS = (
     "a PCI address ('0000:41:00.0', '41:00.0', 'pci_0000_41_00_0'), an NVIDIA UUID "
-    "('GPU-' then 32 hex digits grouped 8-4-4-4-12) or an inventory index ('0', '3')"
+    "('GPU-' then 32 hex digits grouped 8-4-4-4-12), a ROCm UUID ('GPU-' then 16 hex "
+    "digits), a DRM card name ('card1') or an inventory index ('0', '3')"
 )
-_BDF_RE = re.compile(r"(?:([0-9a-f]{4,8}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])", re.I | re.A)
-_LIBVIRT_RE = re.compile(r"pci_([0-9a-f]{4,8})_([0-9a-f]{2})_([0-9a-f]{2})_([0-7])", re.I | re.A)
 _UUID_RE = re.compile(r"gpu-[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}", re.I | re.A)
+# ROCm names an AMD GPU "GPU-" plus the 16 hex digits of amdgpu's sysfs ``unique_id``
+# (rocminfo's "Uuid", ROCR_VISIBLE_DEVICES); the DRM core names its card nodes cardN.
+_ROCM_UUID_RE = re.compile(r"gpu-[0-9a-f]{16}", re.I | re.A)
+_DRM_CARD_RE = re.compile(r"card([0-9]{1,4})", re.I | re.A)
 _INDEX_RE = re.compile(r"[0-9]{1,4}", re.A)
-_PCI_MAX_SLOT = 0x1F
 
 _PREFIXES = "kMGTPE"  # "K" is read as "k"
 _DECIMAL_UNITS = {p: 1000 ** (i + 1) for i, p in enumerate(_PREFIXES)} | {"K": 1000}
@@ -118,24 +121,25 @@ def normalise_device_id(raw: str, field: str = "devices") -> str:
     """One device id in canonical form.
 
     PCI addresses in any common spelling become ``0000:41:00.0`` (lowercase, domain of at least
-    four digits); NVIDIA UUIDs become ``GPU-`` plus lowercase hex; inventory indexes become
-    the decimal string without leading zeros. UUIDs and indexes are resolved against the
-    inventory at allocation time.
+    four digits); NVIDIA and ROCm UUIDs become ``GPU-`` plus lowercase hex; DRM card names
+    become ``card`` plus the number without leading zeros, as are inventory indexes. UUIDs,
+    card names and indexes are resolved against the inventory at allocation time.
     """
     text = raw.strip() if isinstance(raw, str) else None
     if not text:
         raise invalid(
             field, raw, f"{field} {shown(raw)} is not a device id: use {DEVICE_ID_SPELLINGS}"
         )
-    if match := _BDF_RE.fullmatch(text) or _LIBVIRT_RE.fullmatch(text):
-        domain, bus, slot, function = match.groups()
-        if int(slot, 16) <= _PCI_MAX_SLOT:
-            return f"{int(domain or '0', 16):04x}:{bus.lower()}:{slot.lower()}.{function}"
+    if bdf := parse_bdf(text, libvirt=True):
+        if bdf.slot <= MAX_DEVICE:
+            return str(bdf)
         raise invalid(
             field, raw, f"{field} {shown(raw)} is not a PCI address: the device number is 00-1f"
         )
-    if _UUID_RE.fullmatch(text):
+    if _UUID_RE.fullmatch(text) or _ROCM_UUID_RE.fullmatch(text):
         return "GPU-" + text[4:].lower()
+    if match := _DRM_CARD_RE.fullmatch(text):
+        return f"card{int(match.group(1))}"
     if _INDEX_RE.fullmatch(text):
         return str(int(text))
     if text[:4].upper() == "MIG-":

@@ -9,13 +9,14 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
-from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from vmsandbox.keys import SandboxKeys
 from vmsandbox.progress import Progress, silent
 
@@ -200,3 +201,39 @@ def run(
         )
     finally:
         client.close()
+
+
+def shell_command(command: Sequence[str] | str) -> str:
+    """The shell line for ``command``: a list is quoted word by word; a string is used as is.
+    INVALID_ARGUMENT for an empty list, a word that is not a string, or a NUL byte."""
+    if not isinstance(command, str):
+        if not command:
+            raise InvalidArgument("exec needs a command", details={"field": "command"})
+        if not all(isinstance(word, str) for word in command):
+            raise InvalidArgument("exec words must be strings", details={"field": "command"})
+        command = shlex.join(command)
+    if "\0" in command:
+        raise InvalidArgument(
+            "exec command contains a NUL byte, which no command line can carry",
+            details={"field": "command"},
+        )
+    return command
+
+
+def ssh_argv(endpoint: Endpoint, keys: SandboxKeys, command: Sequence[str] = ()) -> list[str]:
+    """The OpenSSH command line that logs into ``endpoint`` with the pinned host key only."""
+    return [
+        "ssh",
+        *("-i", str(keys.client_key)),
+        *("-o", "IdentitiesOnly=yes"),
+        *("-o", "IdentityAgent=none"),
+        *("-o", f"UserKnownHostsFile={keys.known_hosts}"),
+        *("-o", "GlobalKnownHostsFile=/dev/null"),
+        *("-o", "StrictHostKeyChecking=yes"),
+        *("-o", f"HostKeyAlias={keys.host_alias}"),
+        *("-o", "PasswordAuthentication=no"),
+        *("-p", str(endpoint.port)),
+        *("-l", endpoint.user),
+        endpoint.host,
+        *(["--", *command] if command else []),
+    ]

@@ -1,4 +1,4 @@
-"""Guest base images: build from recipes under ``images/``, import, list, resolve.
+"""Guest base images: the store that builds from ``images/`` recipes, imports, lists and removes.
 
 Layout under the image directory (one folder per image name, one per build)::
 
@@ -10,7 +10,10 @@ Layout under the image directory (one folder per image name, one per build)::
 
 ``id`` is the first 16 hex digits of the recipe's content hash (or of an imported file's hash), so
 a rebuild happens only when the recipe changes, and overlays of running sandboxes keep their old
-backing file when it does.
+backing file when it does. A build folder, once published, is never changed or replaced: a
+forced rebuild of an unchanged recipe goes to ``<id>-2`` (``-3``, ...) and moves ``current``.
+
+How a recipe becomes the files of one build is image_build.py.
 """
 
 from __future__ import annotations
@@ -21,31 +24,31 @@ import fcntl
 import hashlib
 import json
 import os
-import shlex
 import shutil
-import subprocess
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vmsandbox.apt_sources import mirror_lines
+from vmsandbox.config import Config
 from vmsandbox.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    VmSandboxError,
 )
+from vmsandbox.image_build import BUILDER_VERSION, KERNEL_CMDLINE, build_recipe, require_tools
+from vmsandbox.image_check import check_import
 from vmsandbox.progress import Progress, silent
+from vmsandbox.resources import RECIPES
 from vmsandbox.spec import validate_image_name
+from vmsandbox.tools import run_tool, write_with_tool
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "images"
-# Bump when the build steps below change what a recipe produces.
-BUILDER_VERSION = "1"
-KERNEL_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 biosdevname=0"
+RECIPE_DIR = RECIPES
+# Which sandboxes use which build folder, read when asked (image_users.image_users).
+Users = Callable[[], Mapping[Path, Sequence[str]]]
 
 
 @dataclass(frozen=True)
@@ -153,9 +156,83 @@ class ImageStore:
         path = meta_file.parent.resolve()
         return BaseImage(name=name, id=path.name, path=path, meta=meta)
 
+    def names(self) -> list[str]:
+        """Every image name with a folder in the store, built or not."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            entry.name
+            for entry in self.root.iterdir()
+            if entry.is_dir() and not entry.is_symlink() and not entry.name.startswith(".")
+        )
+
+    def builds(self, name: str) -> list[BaseImage]:
+        """Every finished build of ``name``, current or not (a build without readable
+        metadata is listed with empty metadata, so that prune can clear it away)."""
+        folder = self.root / name
+        found = []
+        for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+            if entry.is_symlink() or not entry.is_dir() or entry.name.startswith("."):
+                continue
+            try:
+                meta = json.loads((entry / "meta.json").read_text())
+            except (OSError, ValueError):
+                meta = {}
+            found.append(BaseImage(name=name, id=entry.name, path=entry.resolve(), meta=meta))
+        return found
+
+    def remove(self, name: str, users: Users) -> list[Removed]:
+        """Remove image ``name``, every build of it; refused while a sandbox's disk backs onto
+        any of them. ``users()``, asked under the image lock: build folder -> sandboxes
+        (image_users.image_users)."""
+        validate_image_name(name)
+        if not (self.root / name).is_dir():
+            raise NotFound(
+                f"image {name!r} is not in {self.root} (images: "
+                f"{', '.join(self.names()) or 'none'})",
+                details={"field": "name", "value": name},
+            )
+        with self._writing(name), self._image_lock(name):
+            builds = self.builds(name)
+            used = users()
+            using = sorted({who for build in builds for who in used.get(build.path, ())})
+            if using:
+                raise FailedPrecondition(
+                    f"image {name!r} is in use by {len(using)} sandbox(es): {', '.join(using)}; "
+                    "destroy them first",
+                    details={"image": name, "sandboxes": using},
+                )
+            removed = [_delete(build.path, name) for build in builds]
+            removed += [_delete(path, name) for path in self._partial_builds(name)]
+            shutil.rmtree(self.root / name)
+        return removed
+
+    def prune(self, users: Users) -> list[Removed]:
+        """Remove every build that is not the current one of its image and that no sandbox's
+        disk backs onto, and the folders of builds that were killed half-way."""
+        removed: list[Removed] = []
+        for name in self.names():
+            with self._writing(name), self._image_lock(name):
+                current = self.root / name / "current"
+                keep = os.readlink(current) if current.is_symlink() else None
+                old = [build for build in self.builds(name) if build.id != keep]
+                used = users() if old else {}
+                removed += [_delete(b.path, name) for b in old if not used.get(b.path)]
+                removed += [_delete(path, name) for path in self._partial_builds(name)]
+        return removed
+
+    def _partial_builds(self, name: str) -> list[Path]:
+        """Build folders of a build or import that was killed: under the image lock no build
+        of ``name`` is running, so every one of them is dead."""
+        return sorted((self.root / name).glob(".build-*"))
+
     def is_current(self, name: str, build_id: str) -> bool:
+        """Whether ``current`` is a build of ``build_id`` (the first one or a forced rebuild)."""
         current = self.root / name / "current"
-        return current.is_symlink() and os.readlink(current) == build_id
+        if not current.is_symlink():
+            return False
+        target = os.readlink(current)
+        return target == build_id or target.startswith(f"{build_id}-")
 
     def build(self, name: str, *, force: bool = False, progress: Progress = silent) -> BaseImage:
         """Build recipe ``name`` unless a build of the same recipe hash is already current."""
@@ -165,23 +242,25 @@ class ImageStore:
             if not force and self.is_current(name, build_id):
                 progress(f"image {name} is up to date ({build_id})")
                 return self.get(name)
-            _require_tools("mmdebstrap", "mkfs.ext4", "qemu-img")
-            return self._publish(name, build_id, lambda tmp: _build_recipe(recipe, tmp, progress))
+            require_tools("mmdebstrap", "mkfs.ext4", "qemu-img")
+            return self._publish(name, build_id, lambda tmp: build_recipe(recipe, tmp, progress))
 
-    def import_image(self, source: Path, name: str, *, progress: Progress = silent) -> BaseImage:
-        """Copy a qcow2 or raw disk image in as ``name`` (booted by firmware, not by kernel)."""
+    def import_image(
+        self,
+        source: Path,
+        name: str,
+        *,
+        max_disk_gib: int = Config.max_disk_gib,
+        progress: Progress = silent,
+    ) -> BaseImage:
+        """Copy a qcow2 or raw disk image in as ``name`` (booted by firmware, not by kernel).
+
+        What no sandbox could boot is refused before anything is written (image_check.py).
+        """
         validate_image_name(name)
         if not source.is_file():
             raise InvalidArgument(f"image file {str(source)!r} does not exist or is not a file")
-        info = _qemu_img_info(source)
-        if info.get("format") not in ("qcow2", "raw"):
-            raise InvalidArgument(
-                f"image file {str(source)!r} has format {info.get('format')!r}; allowed: qcow2, raw"
-            )
-        if info.get("backing-filename"):
-            raise InvalidArgument(
-                f"image file {str(source)!r} has a backing file; flatten it first"
-            )
+        fmt = check_import(source, max_disk_gib=max_disk_gib)["format"]
         progress(f"hashing {source}")
         build_id = _file_hash(source)[:16]
         with self._writing(name), self._image_lock(name):
@@ -191,19 +270,25 @@ class ImageStore:
 
             def convert(tmp: Path) -> dict[str, Any]:
                 progress(f"converting {source} to qcow2")
-                _run(
-                    ["qemu-img", "convert", "-O", "qcow2", str(source), str(tmp / "disk.qcow2")],
+                disk = str(tmp / "disk.qcow2")
+                run_tool(
+                    ["qemu-img", "convert", "-f", fmt, "-O", "qcow2", str(source.absolute()), disk],
                     error=FailedPrecondition,  # the source was read fine: writing here failed
                 )
                 return {"kind": "import", "source": str(source)}
 
-            return self._publish(name, build_id, convert)
+            try:
+                return self._publish(name, build_id, convert)
+            except BaseException:
+                self._drop_if_empty(name)
+                raise
 
     def _publish(self, name: str, build_id: str, make: Any) -> BaseImage:
         folder = self.root / name
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
-        tmp = folder / f".build-{build_id}-{os.getpid()}"
+        folder_id = _unused_build_id(folder, build_id)
+        tmp = folder / f".build-{folder_id}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o755)
         started = time.monotonic()
@@ -212,7 +297,7 @@ class ImageStore:
             info = _qemu_img_info(tmp / "disk.qcow2")
             meta.update(
                 name=name,
-                id=build_id,
+                id=folder_id,
                 virtual_size=int(info["virtual-size"]),
                 file_size=(tmp / "disk.qcow2").stat().st_size,
                 built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -221,18 +306,22 @@ class ImageStore:
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             for child in tmp.iterdir():
                 os.chmod(child, 0o644)
-            final = folder / build_id
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
+            os.rename(tmp, folder / folder_id)  # fails rather than replace: the id is unused
             link = folder / f".current-{os.getpid()}"
             with contextlib.suppress(FileNotFoundError):
                 link.unlink()
-            link.symlink_to(build_id)
+            link.symlink_to(folder_id)
             os.replace(link, folder / "current")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return self.get(name)
+
+    def _drop_if_empty(self, name: str) -> None:
+        """After a failed first import of ``name``: leave no folder holding only its lock."""
+        folder = self.root / name
+        if not (folder / "current").is_symlink() and not self.builds(name):
+            shutil.rmtree(folder, ignore_errors=True)
 
     @contextlib.contextmanager
     def _writing(self, name: str) -> Iterator[None]:
@@ -255,96 +344,48 @@ class ImageStore:
             yield
 
 
-def _build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, Any]:
-    data = recipe.data
-    suite = str(data.get("suite", "bookworm"))
-    components = [str(c) for c in data.get("components", ["main"])]
-    packages = [str(p) for p in data.get("packages", [])]
-    rootdir = tmp / "root"
-    hooks = [f'--customize-hook={shlex.quote(str(s))} "$1"' for s in recipe.scripts]
-    command = [
-        "mmdebstrap",
-        "--mode=root",
-        "--variant=apt",
-        "--format=directory",
-        f"--components={','.join(components)}",
-        f"--include={','.join(packages)}",
-        '--aptopt=APT::Install-Recommends "false"',
-        "--dpkgopt=path-exclude=/usr/share/doc/*",
-        "--dpkgopt=path-exclude=/usr/share/man/*",
-        "--dpkgopt=path-exclude=/usr/share/locale/*",
-        "--dpkgopt=path-include=/usr/share/locale/locale.alias",
-        *hooks,
-        suite,
-        str(rootdir),
-        *mirror_lines(suite, components),
-    ]
-    progress(f"mmdebstrap {suite}: {len(packages)} packages ({', '.join(components)})")
-    _run_streaming(command, progress, prefix="mmdebstrap: ")
-    boot = rootdir / "boot"
-    kernels = sorted(boot.glob("vmlinuz-*"))
-    initrds = sorted(boot.glob("initrd.img-*"))
-    if not kernels or not initrds:
-        raise FailedPrecondition(f"recipe {recipe.name!r} produced no kernel or initrd in /boot")
-    kernel_version = kernels[-1].name.removeprefix("vmlinuz-")
-    shutil.copyfile(kernels[-1], tmp / "vmlinuz")
-    shutil.copyfile(initrds[-1], tmp / "initrd.img")
-    used = _tree_size(rootdir)
-    size_mib = (used * 12 // 10) // 2**20 + int(data.get("headroom_mib", 512))
-    progress(f"making ext4 filesystem ({size_mib} MiB, {used // 2**20} MiB of files)")
-    raw = tmp / "disk.raw"
-    _run(["mkfs.ext4", "-q", "-F", "-L", "root", "-d", str(rootdir), str(raw), f"{size_mib}M"])
-    shutil.rmtree(rootdir)
-    progress("converting to qcow2")
-    _run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(tmp / "disk.qcow2")])
-    raw.unlink()
-    return {
-        "kind": "recipe",
-        "recipe_hash": recipe.hash,
-        "description": data.get("description", ""),
-        "kernel": "vmlinuz",
-        "initrd": "initrd.img",
-        "kernel_version": kernel_version,
-        "cmdline": KERNEL_CMDLINE,
-        "packages": packages,
-    }
+def _unused_build_id(folder: Path, build_id: str) -> str:
+    """``build_id``, or ``build_id-N`` with the lowest N >= 2 that names no folder yet: sandboxes'
+    overlays back onto published folders, so a rebuild never reuses one."""
+    candidate, number = build_id, 1
+    while (folder / candidate).exists():
+        number += 1
+        candidate = f"{build_id}-{number}"
+    return candidate
+
+
+@dataclass(frozen=True)
+class Removed:
+    """A build folder that remove or prune deleted, and the disk space that freed."""
+
+    name: str
+    id: str
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "id": self.id, "bytes": self.bytes}
+
+
+def _delete(folder: Path, name: str) -> Removed:
+    freed = 0
+    for dirpath, _dirs, files in os.walk(folder):
+        for file in files:
+            with contextlib.suppress(OSError):
+                freed += os.lstat(os.path.join(dirpath, file)).st_blocks * 512
+    shutil.rmtree(folder)
+    return Removed(name=name, id=folder.name, bytes=freed)
 
 
 def make_overlay(base: Path, overlay: Path, disk_gib: int) -> None:
     """A qcow2 overlay of ``disk_gib`` GiB on base image ``base`` (0600, written atomically)."""
-    partial = overlay.with_name(overlay.name + ".partial")
-    done = subprocess.run(
-        [
-            "qemu-img",
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            str(base),
-            str(partial),
-            f"{disk_gib}G",
+    write_with_tool(
+        overlay,
+        lambda partial: [
+            *("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2"),
+            *("-b", str(base), str(partial), f"{disk_gib}G"),
         ],
-        capture_output=True,
-        text=True,
-        check=False,
+        what=f"cannot create overlay {overlay}",
     )
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise FailedPrecondition(f"cannot create overlay {overlay}: {done.stderr.strip()}")
-    os.chmod(partial, 0o600)
-    os.replace(partial, overlay)
-
-
-def _tree_size(root: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for file in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, file)).st_size
-    return total
 
 
 def _file_hash(path: Path) -> str:
@@ -356,43 +397,5 @@ def _file_hash(path: Path) -> str:
 
 
 def _qemu_img_info(path: Path) -> dict[str, Any]:
-    out = _run(["qemu-img", "info", "--output=json", str(path)])
+    out = run_tool(["qemu-img", "info", "--output=json", str(path)])
     return json.loads(out)
-
-
-def _require_tools(*tools: str) -> None:
-    missing = [tool for tool in tools if shutil.which(tool) is None]
-    if missing:
-        raise FailedPrecondition(
-            f"missing tools for image builds: {', '.join(missing)}; run the setup (make setup)"
-        )
-
-
-def _run(command: list[str], error: type[VmSandboxError] = VmSandboxError) -> str:
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-    except OSError as exc:
-        raise FailedPrecondition(f"cannot run {command[0]}: {exc}") from exc
-    if done.returncode != 0:
-        raise error(f"{command[0]} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    return done.stdout
-
-
-def _run_streaming(command: list[str], progress: Progress, prefix: str) -> None:
-    """Run ``command``, turning each of its output lines into a progress message."""
-    tail: list[str] = []
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            if not line:
-                continue
-            tail = [*tail[-40:], line]
-            if line.startswith(("I: ", "E: ", "W: ")):
-                progress(prefix + line[3:])
-    if proc.returncode != 0:
-        raise VmSandboxError(
-            f"{command[0]} failed (exit {proc.returncode}):\n" + "\n".join(tail[-25:])
-        )

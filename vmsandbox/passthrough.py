@@ -13,6 +13,11 @@ What ``apply`` adds, and why:
   function numbers, function 0 with ``multifunction='on'`` when there is more than one. On
   ``pcie-root`` itself a GPU would be an integrated endpoint with no PCIe link above it, which
   GPU drivers do not expect; behind a port of its own it also gets its own bridge window.
+- In full passthrough on an NVSwitch board (a guest with every GPU, which runs Fabric Manager
+  itself), each NVSwitch is one more ``<hostdev>`` behind a root port of its own, after the
+  GPUs': FM inside the guest finds them as PCI endpoints, as on bare metal. Their BARs are
+  small (32 MiB, not prefetchable) and sit in the 32-bit window, so they change neither the
+  64-bit window nor the locked-memory limit (``QEMU_OVERHEAD`` covers them).
 - A 64-bit MMIO window big enough for the GPUs' 64-bit prefetchable BARs and the padding
   OVMF gives the other root ports (``mmio64_window``). OVMF reserves 32 GiB for 64-bit BARs
   unless told otherwise, far too little for an H100's 128 GiB BAR1: it is told through the
@@ -44,6 +49,7 @@ from dataclasses import dataclass
 from lxml import etree
 
 from vmsandbox.domain import QEMU_NS
+from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.host.model import Gpu
 from vmsandbox.numa import format_cpuset
 from vmsandbox.numa import host_cpus_by_node as host_cpus_by_node  # re-exported for callers
@@ -79,8 +85,9 @@ class PassthroughPlan:
     """The numbers ``apply`` writes; see ``plan`` for how each is chosen.
 
     ``slots``: per GPU, the host BDFs of its functions by function number (one guest slot
-    each). ``phys_bits``: the guest address width the window needs; written for an emulated
-    CPU, and the least a host must have for ``host-passthrough``. ``numa_node`` and
+    each), then one slot per NVSwitch passed along. ``phys_bits``: the guest address width
+    the window needs; written for an emulated CPU, and the least a host must have for
+    ``host-passthrough``. ``numa_node`` and
     ``cpuset`` are None when the domain is not pinned, and ``unpinned_reason`` then says why.
     """
 
@@ -102,10 +109,12 @@ def plan(
     host_cpus: Mapping[int, Sequence[int]] | None,
     virt_type: str = "kvm",
     pin: bool = True,
+    switches: Sequence[str] = (),
 ) -> PassthroughPlan:
     """What a domain with ``gpus`` needs; ``vcpus``, ``memory_mib`` and ``virt_type`` are the
     DomainPlan's ``cpus``, ``memory_mib`` and ``virt_type``; ``host_cpus`` is
-    ``host_cpus_by_node()``.
+    ``host_cpus_by_node()``; ``switches`` the BDFs of NVSwitches that go along (full
+    passthrough of a whole board).
 
     Locked-memory limit (``hard_limit_kib``), the sum of:
 
@@ -135,7 +144,7 @@ def plan(
     hard_limit = 2 * memory_mib * MIB + bar_bytes + overhead
     node, unpinned = _pin_node(gpus, host_cpus, pin)
     return PassthroughPlan(
-        slots=tuple(_functions(gpu) for gpu in gpus),
+        slots=(*(_functions(gpu) for gpu in gpus), *((bdf,) for bdf in switches)),
         mmio64_bytes=window,
         phys_bits=phys_bits(memory_mib, window),
         hard_limit_kib=-(-hard_limit // KIB),
@@ -220,15 +229,9 @@ def _add_gpus(devices: etree._Element, slots: Sequence[Sequence[str]]) -> None:
         controllers.append(port)
         for bdf in functions:
             hostdev = etree.Element("hostdev", mode="subsystem", type="pci", managed="yes")
-            domain, host_bus, slot, function = _split_bdf(bdf)
-            etree.SubElement(
-                etree.SubElement(hostdev, "source"),
-                "address",
-                domain=domain,
-                bus=host_bus,
-                slot=slot,
-                function=function,
-            )
+            source = libvirt_address(bdf)
+            etree.SubElement(etree.SubElement(hostdev, "source"), "address", **source)
+            function = source["function"]
             guest = etree.SubElement(
                 hostdev,
                 "address",
@@ -276,19 +279,14 @@ def _pin_node(
 
 def _functions(gpu: Gpu) -> tuple[str, ...]:
     """The card's functions (GPU and companions), by function number."""
-    return tuple(sorted((gpu.bdf, *gpu.companions), key=lambda bdf: int(bdf[-1])))
+    return tuple(
+        sorted((gpu.bdf, *gpu.companions), key=lambda bdf: libvirt_address(bdf)["function"])
+    )
 
 
 def _largest_bar(gpu: Gpu) -> int:
     """Alignment of the GPU's prefetchable window: its largest 64-bit prefetchable BAR."""
     return max((bar.size for bar in gpu.bars if bar.is_64bit and bar.prefetchable), default=1)
-
-
-def _split_bdf(bdf: str) -> tuple[str, str, str, str]:
-    """``0000:41:00.1`` as libvirt address attributes ``0x0000``, ``0x41``, ``0x00``, ``0x1``."""
-    domain, bus, device = bdf.split(":")
-    slot, function = device.split(".")
-    return f"0x{domain}", f"0x{bus}", f"0x{slot}", f"0x{function}"
 
 
 def _align_up(value: int, alignment: int) -> int:

@@ -7,19 +7,24 @@ quotes every value, so no name or key can inject configuration.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from vmsandbox.errors import FailedPrecondition
+from vmsandbox.guestsetup import GuestSetup
 from vmsandbox.keys import KeyPair, write_private
+from vmsandbox.tools import write_with_tool
 
 
-def user_data(hostname: str, user: str, client: KeyPair, host: KeyPair) -> dict[str, Any]:
+def user_data(
+    hostname: str, user: str, client: KeyPair, host: KeyPair, guest: GuestSetup | None = None
+) -> dict[str, Any]:
+    """The cloud-config: the sandbox user, its key, the pinned host key and ``guest``'s setup."""
+    extra = guest.cloud_config(user) if guest is not None else {}
     return {
+        **extra,
         "hostname": hostname,
         "manage_etc_hosts": True,
         "users": [
@@ -72,8 +77,10 @@ def write_seed(
     host: KeyPair,
     network: dict[str, Any],
     workdir: Path | None = None,
+    guest: GuestSetup | None = None,
 ) -> None:
-    """Write the seed ISO to ``path`` (0600: it carries the guest's private host key).
+    """Write the seed ISO to ``path`` (0600: it carries the guest's private host key and any
+    secret file of ``guest``).
 
     Its files are staged in a temporary folder under ``workdir`` (default: TMPDIR); a process
     killed while writing leaves them there, so give a folder that cleanup removes.
@@ -83,33 +90,18 @@ def write_seed(
     with tempfile.TemporaryDirectory(prefix="vmsbx-seed-", dir=workdir) as tmp:
         files = {
             "user-data": "#cloud-config\n"
-            + json.dumps(user_data(hostname, user, client, host), indent=1)
+            + json.dumps(user_data(hostname, user, client, host, guest), indent=1)
             + "\n",
             "meta-data": json.dumps(meta_data(instance_id, hostname)) + "\n",
             "network-config": json.dumps(network) + "\n",
         }
         for name, text in files.items():
             write_private(Path(tmp) / name, text)
-        partial = path.with_name(path.name + ".partial")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.close(fd)
-        done = subprocess.run(
-            [
-                "genisoimage",
-                "-quiet",
-                "-output",
-                str(partial),
-                "-volid",
-                "cidata",
-                "-joliet",
-                "-rock",
-                *(str(Path(tmp) / name) for name in files),
+        write_with_tool(
+            path,
+            lambda partial: [
+                *("genisoimage", "-quiet", "-output", str(partial), "-volid", "cidata"),
+                *("-joliet", "-rock", *(str(Path(tmp) / name) for name in files)),
             ],
-            capture_output=True,
-            text=True,
-            check=False,
+            what=f"genisoimage failed writing {path}",
         )
-        if done.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise FailedPrecondition(f"genisoimage failed writing {path}: {done.stderr.strip()}")
-        os.replace(partial, path)

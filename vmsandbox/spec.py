@@ -21,6 +21,7 @@ from vmsandbox.gpuquery import (
     require_count,
     shown,
 )
+from vmsandbox.guestsetup import GuestSetup
 
 NAME_MAX = 48
 _NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\Z")  # \Z: "$" also matches before "\n"
@@ -74,10 +75,11 @@ class GpuRequest:
     """Which GPUs a sandbox wants. No count, devices or ``all`` means one GPU.
 
     Validated and normalised on construction (see ``vmsandbox.gpuquery`` for the spellings):
-    ``devices`` holds canonical BDFs (``0000:41:00.0``), NVIDIA UUIDs (``GPU-...``) or inventory
-    indexes (as strings), in the order given; UUIDs and indexes are resolved against the
-    inventory at allocation time. ``count`` with ``devices`` must equal their number; ``all``
-    excludes both. ``vendor``, ``model`` (whole-word match) and ``min_memory_mib`` filter.
+    ``devices`` holds canonical BDFs (``0000:41:00.0``), NVIDIA or ROCm UUIDs (``GPU-...``), DRM
+    card names (``card1``) or inventory indexes (as strings), in the order given; all but BDFs
+    are resolved against the inventory at allocation time. ``count`` with ``devices`` must equal
+    their number; ``all`` excludes both. ``vendor``, ``model`` (whole-word match) and
+    ``min_memory_mib`` filter.
     """
 
     count: int | None = None
@@ -143,6 +145,8 @@ class SandboxSpec:
     gpu: GpuRequest | None = None
     virt_type: str = "auto"
     labels: dict[str, str] = field(default_factory=dict)
+    # First-boot environment, files and main process; kept out of the domain and its record.
+    guest: GuestSetup | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -160,6 +164,11 @@ class SandboxSpec:
             raise InvalidArgument(
                 f"gpu must be a GpuRequest or None, got {type(self.gpu).__name__}",
                 details={"field": "gpu"},
+            )
+        if self.guest is not None and not isinstance(self.guest, GuestSetup):
+            raise InvalidArgument(
+                f"guest must be a GuestSetup or None, got {type(self.guest).__name__}",
+                details={"field": "guest"},
             )
         if not isinstance(self.labels, dict):
             raise InvalidArgument(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping
 
-from vmsandbox.gpuquery import invalid, normalise_device_ids, require_count, shown
+from vmsandbox.gpuquery import invalid, shown
 
 
 def as_mapping(value: object, field: str) -> Mapping[object, object]:
@@ -52,20 +52,6 @@ def optional_str(value: object, field: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise invalid(field, value, f"{field} must be a string, got {shown(value)}")
-
-
-def optional_count(value: object, field: str) -> int | None:
-    """A JSON integer of at least 1 (not a bool or a float), or None when absent or null."""
-    return None if value is None else require_count(value, field)
-
-
-def device_id_list(value: object, field: str) -> tuple[str, ...]:
-    """A non-empty list of device id strings, normalised, each GPU once."""
-    if not isinstance(value, list | tuple) or not value:
-        raise invalid(
-            field, value, f"{field} must be a non-empty list of device ids, got {shown(value)}"
-        )
-    return normalise_device_ids(value, field)
 
 
 _COUNT_TEXT_RE = re.compile(r"\s*([0-9]{1,9})\s*", re.A)

@@ -1,24 +1,31 @@
-"""CLI GPU flags, after OpenShell's driver spec, turned into a GpuRequest.
+"""CLI GPU flags, after OpenShell's CLI, turned into a GpuRequest.
 
-- ``--gpu``: the default, one free GPU; ``--gpu N`` asks for N.
-- ``--gpu-count N``: N GPUs, failing if the host cannot give N.
-- ``--gpu-device ID`` (repeatable): those devices (PCI address, NVIDIA UUID or index).
-- ``--gpu-all``: every free GPU.
-- ``--gpu-vendor``, ``--gpu-model``, ``--gpu-memory`` (a Kubernetes quantity): filters.
+OpenShell main (2f7fb655, ``crates/openshell-cli/src/main.rs``: ``--gpu [COUNT]``,
+``parse_gpu_request``) has one flag:
+
+- ``--gpu``: one GPU (the driver's default); ``--gpu N`` asks for N. N is what Rust's
+  ``u32`` parser reads (ASCII digits, an optional leading "+", at most 4294967295) and must be
+  greater than 0.
+
+Kept from the earlier request spec, as aliases: ``--gpu-count N`` (N GPUs) and
+``--gpu-device ID`` (repeatable; a PCI address, NVIDIA or ROCm UUID, DRM card name or
+inventory index; OpenShell's CLI had it before 1dc59853). vmsandbox's own additions:
+``--gpu-all`` (every free GPU) and the filters ``--gpu-vendor``, ``--gpu-model`` and
+``--gpu-memory`` (a Kubernetes quantity).
 
 Decided here: the filters alone imply one GPU (``--gpu-model H100`` means one H100), as a
 filter on no GPU would be dropped silently. Conflicts are rejected before anything is
 allocated, naming the flags: ``--gpu N`` with a different ``--gpu-count``; ``--gpu-all`` with
 ``--gpu``, ``--gpu-count`` or ``--gpu-device``; a count that differs from the number of
-``--gpu-device`` flags. A bare ``--gpu`` counts as ``--gpu 1``, so with two ``--gpu-device``
-flags, leave ``--gpu`` out.
+``--gpu-device`` flags. As in OpenShell, a bare ``--gpu`` counts as one GPU, so with two
+``--gpu-device`` flags give ``--gpu 2`` or leave ``--gpu`` out.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
-from vmsandbox.compat._wire import count_from_text
 from vmsandbox.gpuquery import (
     bytes_to_mib,
     check_count_matches_devices,
@@ -28,8 +35,12 @@ from vmsandbox.gpuquery import (
     normalise_vendor,
     parse_memory_quantity,
     require_count,
+    shown,
 )
 from vmsandbox.spec import GpuRequest
+
+_U32_RE = re.compile(r"\+?0*([0-9]{1,10})", re.A)  # what Rust's u32::from_str reads
+_U32_MAX = 2**32 - 1
 
 
 def parse_gpu_flag_value(text: str) -> int:
@@ -38,7 +49,15 @@ def parse_gpu_flag_value(text: str) -> int:
     Raises ``InvalidArgument`` rather than an argparse error, so the CLI reports it like any
     other bad request.
     """
-    return count_from_text(text, "--gpu")
+    match = _U32_RE.fullmatch(text) if isinstance(text, str) else None
+    if match is None or int(match.group(1)) > _U32_MAX:
+        raise invalid(
+            "--gpu",
+            text,
+            f"--gpu COUNT must be a positive integer (digits, at most {_U32_MAX}), got "
+            f"{shown(text)}",
+        )
+    return require_count(int(match.group(1)), "--gpu")
 
 
 def gpu_request_from_flags(

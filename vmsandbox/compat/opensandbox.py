@@ -1,15 +1,31 @@
 """OpenSandbox: the GPU entries of ``CreateSandboxRequest.resourceLimits`` (strings to strings).
 
-- ``gpu``: ``"N"`` asks for N GPUs (ASCII digits, surrounding spaces allowed, N >= 1);
-  ``"all"`` in any case asks for every free GPU.
-- ``nvidia.com/gpu``, ``amd.com/gpu``: ``"N"`` GPUs of that vendor. ``"all"`` is rejected there,
-  as Kubernetes rejects a non-integer extended resource.
-- ``gpu`` together with a vendor key must ask for the same N; both vendor keys together are
-  rejected (one request has one vendor).
-- Rejected, where upstream parsing would accept or drop them: "0", "-1", "1.5", "+2", "1_0",
-  "", non-ASCII digits, values that are not strings, and keys that differ from a GPU key only
-  in case or surrounding spaces (a likely typo). Other keys (cpu, memory) are ignored.
-- No ``resourceLimits`` at all (None) means no GPU.
+Rules read in alibaba/OpenSandbox at commit 4db3a993:
+``server/opensandbox_server/services/helpers.py`` (``parse_gpu_request``),
+``server/opensandbox_server/services/k8s/provider_common.py``
+(``_translate_resource_limits_for_k8s``) and ``services/docker/container_ops.py`` (the
+Docker ``DeviceRequest``).
+
+OpenSandbox's verdict, kept:
+
+- ``gpu`` means NVIDIA GPUs: Kubernetes gets it as ``nvidia.com/gpu``, Docker as a device
+  request for the NVIDIA runtime. ``"N"`` asks for N (whatever Python's ``int()`` reads after
+  trimming, such as " 2" or "+2"); ``"all"`` in any case asks for every free GPU; ``""``
+  means not set.
+- ``nvidia.com/gpu`` and ``amd.com/gpu`` go to Kubernetes as extended resources, which take a
+  whole number: ``"N"`` GPUs of that vendor (ASCII digits, surrounding spaces allowed).
+  ``"all"`` is rejected there, as OpenSandbox rejects it for Kubernetes.
+- Other keys (cpu, memory) are not about GPUs and are left alone. No ``resourceLimits`` at
+  all (None) means no GPU.
+
+Rejected with INVALID_ARGUMENT where OpenSandbox silently does something wrong:
+
+- A ``gpu`` value it cannot read or that is not positive ("0", "-1", "1.5", "two"):
+  ``parse_gpu_request`` logs a warning and the sandbox starts without a GPU.
+- ``gpu`` with a different ``nvidia.com/gpu``: the Kubernetes translation overwrites the
+  latter. ``gpu`` with ``amd.com/gpu``, or both vendor keys: one sandbox, two vendors.
+- Keys that differ from a GPU key only in case or surrounding spaces (a likely typo that
+  Kubernetes would take as an unknown resource). Values that are not strings.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ from vmsandbox.gpuquery import invalid, shown
 from vmsandbox.spec import GpuRequest
 
 _GENERIC = "gpu"
+_GENERIC_VENDOR = "nvidia"  # OpenSandbox maps "gpu" to nvidia.com/gpu
 _VENDOR_KEYS = {"nvidia.com/gpu": "nvidia", "amd.com/gpu": "amd"}
 _GPU_KEYS = (_GENERIC, *_VENDOR_KEYS)
 _ALL_RE = re.compile(r"\s*all\s*", re.I | re.A)
@@ -45,12 +62,7 @@ def gpu_request(resource_limits: Mapping[str, str] | None) -> GpuRequest | None:
                 f"{shown(key.strip().lower())}? Resource names are case-sensitive",
             )
 
-    generic = None
-    every_gpu = False
-    if _GENERIC in limits:
-        value = limits[_GENERIC]
-        every_gpu = isinstance(value, str) and _ALL_RE.fullmatch(value) is not None
-        generic = None if every_gpu else count_from_text(value, _field(_GENERIC))
+    generic = _generic(limits.get(_GENERIC))
     vendors = [(key, vendor, _vendor_count(limits, key)) for key, vendor in _VENDOR_KEYS.items()]
     vendors = [(key, vendor, count) for key, vendor, count in vendors if count is not None]
     if len(vendors) > 1:
@@ -62,19 +74,48 @@ def gpu_request(resource_limits: Mapping[str, str] | None) -> GpuRequest | None:
             f"{shown(limits[first])}: a sandbox takes GPUs of one vendor, give one of them",
         )
     if not vendors:
-        if every_gpu:
-            return GpuRequest(all=True)
-        return None if generic is None else GpuRequest(count=generic)
+        if generic is None:
+            return None
+        if generic == "all":
+            return GpuRequest(all=True, vendor=_GENERIC_VENDOR)
+        return GpuRequest(count=generic, vendor=_GENERIC_VENDOR)
 
     key, vendor, count = vendors[0]
-    if every_gpu or (generic is not None and generic != count):
+    if generic is not None and (vendor != _GENERIC_VENDOR or generic != count):
+        why = (
+            f"{_field(_GENERIC)} means NVIDIA GPUs"
+            if vendor != _GENERIC_VENDOR
+            else "OpenSandbox would overwrite one with the other"
+        )
         raise invalid(
             _field(_GENERIC),
             limits[_GENERIC],
             f"{_field(_GENERIC)} {shown(limits[_GENERIC])} disagrees with {_field(key)} "
-            f"{shown(limits[key])}: give the same number in both, or only {_field(key)}",
+            f"{shown(limits[key])} ({why}): give only {_field(key)}",
         )
     return GpuRequest(count=count, vendor=vendor)
+
+
+def _generic(value: object) -> int | str | None:
+    """``gpu``'s value as ``parse_gpu_request`` reads it: a count, "all", or None (not set)."""
+    field = _field(_GENERIC)
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        if _ALL_RE.fullmatch(value):
+            return "all"
+        try:
+            count = int(value.strip())
+        except ValueError:
+            count = None
+        if count is not None and count >= 1:
+            return count
+    raise invalid(
+        field,
+        value,
+        f"{field} must be a whole number of GPUs greater than 0, such as '1' or '4', or "
+        f"'all', got {shown(value)}: OpenSandbox would start the sandbox without a GPU",
+    )
 
 
 def _vendor_count(limits: Mapping[object, object], key: str) -> int | None:

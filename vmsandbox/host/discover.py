@@ -16,6 +16,7 @@ parent of its own; that grandparent is the switch's upstream port. A GPU behind 
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -27,14 +28,16 @@ from .nvml import NvmlApi, NvmlGpu, NvmlReport, read_nvml
 from .processes import device_node_holders, drm_nodes, nvidia_minors, process_name
 from .sysfs import PciFunction, scan_pci
 
-NVIDIA = "0x10de"
-AMD = "0x1002"
+NVIDIA = pci_ids.NVIDIA_VENDOR_ID
+AMD = pci_ids.AMD_VENDOR_ID
 VENDORS = {NVIDIA: "nvidia", AMD: "amd"}
 # (vendor, class >> 8) of GPUs and of fabric devices
 GPU_CLASSES = {(NVIDIA, 0x0300), (NVIDIA, 0x0302), (AMD, 0x0300), (AMD, 0x0380), (AMD, 0x1200)}
 FABRIC_CLASSES = {(NVIDIA, 0x0680)}
 VFIO_DRIVER = "vfio-pci"
 NVIDIA_DRIVER = "nvidia"
+AMDGPU_DRIVER = "amdgpu"
+_UNIFIED_NAME_RE = re.compile(r"\b(?:gb10|tegra|thor)\b", re.I)
 IOMMU_OFF = (
     "IOMMU is off on this host (no PCI device has an iommu_group); "
     "enable intel_iommu=on or amd_iommu=on"
@@ -62,7 +65,7 @@ def _class_name(function: PciFunction) -> str:
 def _name(function: PciFunction, nvml_name: str | None) -> str | None:
     """hwdb, then pci.ids, then NVML, then the built-in table."""
     if function.hwdb_name:
-        return function.hwdb_name
+        return pci_ids.tidy_name(function.hwdb_name)
     name = pci_ids.device_name(function.vendor_id, function.device_id) or nvml_name
     if name:
         return name
@@ -140,7 +143,7 @@ class _Host:
         return reasons
 
 
-def _fabric(function: PciFunction) -> FabricDevice:
+def _fabric(function: PciFunction, holders: Mapping[str, str]) -> FabricDevice:
     return FabricDevice(
         bdf=function.bdf,
         vendor=VENDORS[function.vendor_id],
@@ -151,17 +154,53 @@ def _fabric(function: PciFunction) -> FabricDevice:
         driver=function.driver,
         numa_node=function.numa_node,
         iommu_group=function.iommu_group,
+        in_use_by=holders.get(function.bdf),
     )
 
 
-def _memory(function: PciFunction, nvml_gpu: NvmlGpu | None) -> tuple[int | None, str]:
-    """Memory in MiB and where the figure came from."""
-    if nvml_gpu is not None:
+def _memory(
+    function: PciFunction, nvml_gpu: NvmlGpu | None, name: str | None
+) -> tuple[int | None, str]:
+    """Memory in MiB and where the figure came from.
+
+    A unified-memory GPU (GB10, Tegra, Thor: named as FlowMesh's worker/hw.py names them) has
+    no memory of its own: "unified", and the host's pool stands in (``unified_memory_mib``).
+    """
+    if nvml_gpu is not None and nvml_gpu.memory_mib is not None:
         return nvml_gpu.memory_mib, "nvml"
     part = pci_ids.known_part(function.vendor_id, function.device_id)
     if part is not None:
         return part.memory_mib, "pci-id"
+    if name is not None and _UNIFIED_NAME_RE.search(name):
+        return None, "unified"
     return None, "unknown"
+
+
+def _host_memory_mib(proc_root: str) -> int | None:
+    """MemTotal of ``/proc/meminfo`` in MiB, None when it cannot be read."""
+    try:
+        with open(f"{proc_root}/meminfo", encoding="ascii", errors="replace") as meminfo:
+            for line in meminfo:
+                key, _, value = line.partition(":")
+                if key == "MemTotal" and value.split()[1:] == ["kB"]:
+                    return int(value.split()[0]) // 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _rocm_uuid(function: PciFunction) -> str | None:
+    """ROCm's UUID of an amdgpu device: "GPU-" and the 16 hex digits of its ``unique_id``.
+
+    amdgpu writes ``unique_id`` only on parts that have one (most Instinct and recent Radeon
+    boards); other values are not a ROCm UUID and are left out.
+    """
+    if function.driver != AMDGPU_DRIVER or function.unique_id is None:
+        return None
+    text = function.unique_id.lower()
+    if len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
+        return None
+    return f"GPU-{text}"
 
 
 def discover(
@@ -180,7 +219,7 @@ def discover(
     host = _Host(scan_pci())
     holders = {canonical_bdf(bdf): name for bdf, name in (in_use or {}).items()}
     gpu_functions = [f for f in host.functions.values() if _kind(f) == "gpu"]
-    fabric = [_fabric(f) for f in host.functions.values() if _kind(f) == "fabric"]
+    fabric = [_fabric(f, holders) for f in host.functions.values() if _kind(f) == "fabric"]
 
     report = NvmlReport(False, {})
     if use_nvml and any(gpu.driver == NVIDIA_DRIVER for gpu in gpu_functions):
@@ -194,7 +233,8 @@ def discover(
         companions = host.companions(function)
         companion_bdfs = tuple(c.bdf for c in companions)
         bars = parse_resource(function.resource)
-        memory_mib, memory_source = _memory(function, nvml_gpu)
+        name = _name(function, nvml_gpu.name if nvml_gpu else None)
+        memory_mib, memory_source = _memory(function, nvml_gpu, name)
         reasons = host.reasons(function, companion_bdfs, pids, proc_root)
         gpus.append(
             Gpu(
@@ -203,7 +243,7 @@ def discover(
                 vendor_id=function.vendor_id,
                 device_id=function.device_id,
                 class_id=function.class_id,
-                name=_name(function, nvml_gpu.name if nvml_gpu else None),
+                name=name,
                 driver=function.driver,
                 numa_node=function.numa_node,
                 iommu_group=function.iommu_group,
@@ -214,7 +254,7 @@ def discover(
                 bar_64bit_prefetchable_total=prefetchable_64bit_total(bars),
                 memory_mib=memory_mib,
                 memory_source=memory_source,
-                uuid=nvml_gpu.uuid if nvml_gpu else None,
+                uuid=nvml_gpu.uuid if nvml_gpu else _rocm_uuid(function),
                 bindable=not reasons,
                 reasons=tuple(reasons),
                 # held when any function of its slot is: companions go along with the GPU
@@ -224,8 +264,10 @@ def discover(
                 index=index,
                 pcie_switch=host.pcie_switch(function),
                 boot_vga=function.boot_vga,
+                drm_cards=function.drm_cards,
             )
         )
+    unified = any(gpu.memory_source == "unified" for gpu in gpus)
     return Inventory(
         gpus=tuple(gpus),
         fabric=tuple(fabric),
@@ -233,4 +275,5 @@ def discover(
         pci_devices=len(host.functions),
         nvml=report.answered,
         notes=report.notes,
+        unified_memory_mib=_host_memory_mib(proc_root) if unified else None,
     )

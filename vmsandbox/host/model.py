@@ -36,7 +36,7 @@ class Gpu:
     bars: tuple[Bar, ...]
     bar_64bit_prefetchable_total: int
     memory_mib: int | None
-    memory_source: str  # "nvml" | "pci-id" | "unknown"
+    memory_source: str  # "nvml" | "pci-id" | "unified" (the host's memory) | "unknown"
     uuid: str | None
     bindable: bool
     reasons: tuple[str, ...]
@@ -44,6 +44,14 @@ class Gpu:
     index: int  # position in the inventory, sorted by BDF
     pcie_switch: str | None = None  # BDF of the upstream switch port above the GPU, if any
     boot_vga: bool = False
+    # DRM card nodes the host driver made for it ("card1"): AMD tools and some platforms name
+    # GPUs this way. ``uuid`` is NVML's for NVIDIA, ROCm's ("GPU-" + sysfs unique_id) for AMD.
+    drm_cards: tuple[str, ...] = ()
+
+    def device_ids(self) -> tuple[str, ...]:
+        """Every canonical device id that names this GPU (see ``vmsandbox.gpuquery``)."""
+        uuid = (self.uuid[:4].upper() + self.uuid[4:].lower(),) if self.uuid else ()
+        return (self.bdf, str(self.index), *uuid, *self.drm_cards)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -52,12 +60,14 @@ class Gpu:
         data["companion_ids"] = [list(pair) for pair in self.companion_ids]
         data["bars"] = [asdict(bar) for bar in self.bars]
         data["reasons"] = list(self.reasons)
+        data["drm_cards"] = list(self.drm_cards)
         return data
 
 
 @dataclass(frozen=True)
 class FabricDevice:
-    """A GPU fabric device (an NVIDIA NVSwitch): listed, never passed as a GPU."""
+    """A GPU fabric device (an NVIDIA NVSwitch): never passed as a GPU; in full passthrough
+    the guest that takes every GPU of the board takes every NVSwitch too."""
 
     bdf: str
     vendor: str
@@ -68,6 +78,7 @@ class FabricDevice:
     driver: str | None
     numa_node: int | None
     iommu_group: int | None
+    in_use_by: str | None = None  # the libvirt domain whose XML holds it, as for GPUs
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,6 +92,8 @@ class Inventory:
     pci_devices: int
     nvml: bool  # whether NVML answered
     notes: tuple[str, ...] = field(default=())
+    # host memory (MemTotal) that GPUs with memory_source "unified" share; None without them
+    unified_memory_mib: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,8 +108,13 @@ class Inventory:
                 "fabric": len(self.fabric),
                 "nvml": self.nvml,
                 "notes": list(self.notes),
+                "unified_memory_mib": self.unified_memory_mib,
             },
         }
 
     def by_bdf(self, bdf: str) -> Gpu | None:
         return next((gpu for gpu in self.gpus if gpu.bdf == bdf), None)
+
+    def by_device_id(self, device_id: str) -> Gpu | None:
+        """The GPU a canonical device id names: BDF, index, UUID or DRM card name."""
+        return next((gpu for gpu in self.gpus if device_id in gpu.device_ids()), None)

@@ -57,7 +57,7 @@ class NvmlGpu:
 
     bdf: str
     name: str
-    memory_mib: int
+    memory_mib: int | None  # None: NVML gives none (unified-memory parts such as GB10)
     uuid: str
     pids: tuple[int, ...]
 
@@ -150,14 +150,19 @@ def _read_devices(api: NvmlApi) -> NvmlReport:
     for index in range(count):
         try:
             bdf = canonical_bdf(api.bus_id(index))
-            name, memory, uuid = api.name(index), api.memory_total(index), api.uuid(index)
+            name, uuid = api.name(index), api.uuid(index)
         except (NvmlError, ValueError) as exc:
             notes.append(f"NVML could not read device {index}: {exc}")
             continue
+        try:
+            memory_mib: int | None = api.memory_total(index) // MIB
+        except NvmlError as exc:  # "Not Supported" on GPUs that use the host's memory
+            notes.append(f"NVML gives no memory size for {bdf}: {exc}")
+            memory_mib = None
         try:
             pids = tuple(sorted(set(api.running_pids(index))))
         except NvmlError as exc:
             notes.append(f"NVML could not list the processes on {bdf}: {exc}")
             pids = ()
-        gpus[bdf] = NvmlGpu(bdf, name, memory // MIB, uuid, pids)
+        gpus[bdf] = NvmlGpu(bdf, name, memory_mib, uuid, pids)
     return NvmlReport(True, gpus, tuple(notes))

@@ -12,6 +12,10 @@ import re
 from typing import NamedTuple
 
 PCI_IDS_PATH = "/usr/share/misc/pci.ids"
+# Vendor and device ids are spelled as sysfs spells them everywhere in vmsandbox: "0x" and four
+# lowercase hex digits. Tools that print them otherwise (lspci's "10de") go through ``pci_id``.
+NVIDIA_VENDOR_ID = "0x10de"
+AMD_VENDOR_ID = "0x1002"
 
 
 class KnownPart(NamedTuple):
@@ -37,7 +41,15 @@ KNOWN_PARTS: dict[tuple[str, str], KnownPart] = {
     ("0x1002", "0x74a1"): KnownPart("AMD Instinct MI300X", 196608),
 }
 
+# Debian 12's pci.ids (2023.04.10), and the udev hwdb built from it, spell one H100 entry
+# "GH100[H100 SXM5 80GB]"; every other entry, and later releases, put a space before "[".
+_BRACKET_AFTER_WORD = re.compile(r"(?<=\S)\[")
 _NEXT_SECTION = re.compile(r"^(?:[0-9a-f]{4}|C [0-9a-f]{2})  ", re.MULTILINE)
+
+
+def pci_id(text: str) -> str:
+    """A vendor or device id in vmsandbox's spelling: ``10DE``, ``0x10de`` -> ``0x10de``."""
+    return "0x" + text.strip().lower().removeprefix("0x").zfill(4)
 
 
 def known_part(vendor_id: str, device_id: str) -> KnownPart | None:
@@ -69,9 +81,16 @@ def _lookup(header: str, entry: str, path: str) -> str | None:
     return match[1].strip() if match else None
 
 
+def tidy_name(name: str) -> str:
+    """A pci.ids or hwdb name in the spelling of the rest of the file: a space before the
+    bracketed marketing name (``GH100[H100 SXM5 80GB]`` -> ``GH100 [H100 SXM5 80GB]``)."""
+    return _BRACKET_AFTER_WORD.sub(" [", name)
+
+
 def device_name(vendor_id: str, device_id: str, path: str = PCI_IDS_PATH) -> str | None:
-    """Device name from ``pci.ids`` (``0x10de``, ``0x2330`` -> ``GH100[H100 SXM5 80GB]``)."""
-    return _lookup(vendor_id[2:].lower(), device_id[2:].lower(), path)
+    """Device name from ``pci.ids`` (``0x10de``, ``0x2330`` -> ``GH100 [H100 SXM5 80GB]``)."""
+    name = _lookup(vendor_id[2:].lower(), device_id[2:].lower(), path)
+    return tidy_name(name) if name else None
 
 
 def class_name(class_id: str, path: str = PCI_IDS_PATH) -> str | None:

@@ -16,8 +16,12 @@ from __future__ import annotations
 import functools
 import os
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import pyudev
+from .pci_ids import pci_id
+
+if TYPE_CHECKING:  # imported on first use: parsers that need only vmsandbox.host.bdf skip it
+    import pyudev
 
 SYS_PCI_DEVICES = "/sys/bus/pci/devices"
 PCI_BRIDGE_CLASS = 0x0604
@@ -26,6 +30,8 @@ PCI_BRIDGE_CLASS = 0x0604
 @functools.cache
 def udev_context() -> pyudev.Context:
     """One pyudev context per process: creating one runs ``ldconfig -p`` to find libudev."""
+    import pyudev
+
     return pyudev.Context()
 
 
@@ -61,8 +67,8 @@ class PciFunction:
         self.sys_path = sys_path
         uevent = _read_uevent(sys_path)
         vendor, _, device = uevent.get("PCI_ID", "0:0").partition(":")
-        self.vendor_id = f"0x{int(vendor, 16):04x}"
-        self.device_id = f"0x{int(device or '0', 16):04x}"
+        self.vendor_id = pci_id(vendor)
+        self.device_id = pci_id(device or "0")
         self.class_code = int(uevent.get("PCI_CLASS", "0"), 16)
         self.driver: str | None = uevent.get("DRIVER")
         self.iommu_group = _read_group(sys_path)
@@ -82,6 +88,8 @@ class PciFunction:
 
     @cached_property
     def _device(self) -> pyudev.Device:
+        import pyudev
+
         return pyudev.Devices.from_sys_path(udev_context(), self.sys_path)
 
     def _attribute(self, name: str) -> str | None:
@@ -104,6 +112,21 @@ class PciFunction:
     def boot_vga(self) -> bool:
         """Whether firmware initialised this device as the console VGA device."""
         return self._attribute("boot_vga") == "1"
+
+    @cached_property
+    def unique_id(self) -> str | None:
+        """amdgpu's ``unique_id`` attribute: the 16 hex digits behind ROCm's GPU UUID."""
+        return self._attribute("unique_id") or None
+
+    @cached_property
+    def drm_cards(self) -> tuple[str, ...]:
+        """Names of the DRM card nodes below the function (``card1``), in number order."""
+        try:
+            names = os.listdir(f"{self.sys_path}/drm")
+        except OSError:
+            return ()
+        cards = [name for name in names if name.startswith("card") and name[4:].isdecimal()]
+        return tuple(sorted(cards, key=lambda name: int(name[4:])))
 
     @cached_property
     def hwdb_name(self) -> str | None:

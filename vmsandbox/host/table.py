@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from vmsandbox.tables import render_grid
 
 from .model import Inventory
 
@@ -36,15 +36,6 @@ def _name(name: str | None) -> str:
 
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
-
-
-def _grid(header: Sequence[str], rows: list[tuple[str, ...]]) -> list[str]:
-    """Left-aligned columns, each as wide as its widest cell, two spaces apart."""
-    widths = [max(len(row[col]) for row in [tuple(header), *rows]) for col in range(len(header))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in [tuple(header), *rows]
-    ]
 
 
 def _summary(inv: Inventory) -> str:
@@ -81,7 +72,7 @@ def render_table(inv: Inventory) -> str:
             )
             for gpu in inv.gpus
         ]
-        lines += _grid(GPU_HEADER, rows)
+        lines += render_grid(GPU_HEADER, rows)
         blocked = [gpu for gpu in inv.gpus if not gpu.bindable]
         if blocked:
             lines += ["", "not bindable:"]
@@ -99,7 +90,7 @@ def render_table(inv: Inventory) -> str:
             )
             for dev in inv.fabric
         ]
-        lines += ["", "fabric (not passed to guests):", *_grid(FABRIC_HEADER, rows)]
+        lines += ["", "fabric (not passed to guests):", *render_grid(FABRIC_HEADER, rows)]
     if inv.gpus:
         lines += ["", _summary(inv)]
     lines += [f"note: {note}" for note in inv.notes]

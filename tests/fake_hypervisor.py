@@ -1,0 +1,114 @@
+"""An in-memory ``Hypervisor`` for the manager's unit tests: domains are XML strings and a
+running flag; failures are injected per operation. The end-to-end tests use the real libvirtd."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lxml import etree
+
+from vmsandbox import domain as domain_xml
+from vmsandbox.errors import FailedPrecondition, NotFound
+from vmsandbox.hypervisor import Stored
+
+
+@dataclass
+class FakeDomain:
+    xml: str
+    data: dict[str, Any] | None
+    state: str
+    running: bool = False
+    reason: str = "never started"
+    ignores_acpi: bool = False
+
+
+@dataclass
+class FakeHypervisor:
+    domains: dict[str, FakeDomain] = field(default_factory=dict)
+    leases: dict[str, str] = field(default_factory=dict)
+    # operation name -> called with the domain name before the operation; may raise
+    before: dict[str, Callable[[str], None]] = field(default_factory=dict)
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    def _hook(self, operation: str, domain: str) -> None:
+        self.calls.append((operation, domain))
+        if operation in self.before:
+            self.before[operation](domain)
+
+    def _get(self, domain: str) -> FakeDomain:
+        if domain not in self.domains:
+            raise NotFound(f"no domain {domain!r}")
+        return self.domains[domain]
+
+    def define(self, xml: str) -> None:
+        name = etree.fromstring(xml.encode()).findtext("name")
+        self._hook("define", name)
+        parsed = domain_xml.read_metadata(xml)
+        data, state = parsed if parsed else (None, "unknown")
+        old = self.domains.get(name)
+        self.domains[name] = FakeDomain(xml, data, state, running=bool(old and old.running))
+
+    def start(self, domain: str) -> None:
+        self._hook("start", domain)
+        self._get(domain).running = True
+
+    def stop(self, domain: str) -> None:
+        self._hook("stop", domain)
+        if domain in self.domains:
+            self.domains[domain].running = False
+            self.domains[domain].reason = "it was forced off (destroyed)"
+
+    def shutdown(self, domain: str) -> None:
+        """The ACPI button: a fake guest powers off at once unless it ``ignores_acpi``."""
+        self._hook("shutdown", domain)
+        dom = self.domains.get(domain)
+        if dom is not None and dom.running and not dom.ignores_acpi:
+            dom.running = False
+            dom.reason = "the guest powered itself off"
+
+    def undefine(self, domain: str) -> None:
+        self._hook("undefine", domain)
+        self.domains.pop(domain, None)
+
+    def running(self, domain: str) -> bool:
+        return domain in self.domains and self.domains[domain].running
+
+    def stop_reason(self, domain: str) -> str:
+        return self._get(domain).reason
+
+    def list(self, prefix: str) -> list[Stored]:
+        return [
+            Stored(name, dom.data, dom.state)
+            for name, dom in self.domains.items()
+            if name.startswith(prefix)
+        ]
+
+    def metadata(self, domain: str) -> Stored | None:
+        self._hook("metadata", domain)
+        dom = self.domains.get(domain)
+        return Stored(domain, dom.data, dom.state) if dom else None
+
+    def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None:
+        self._hook("set_metadata", domain)
+        dom = self._get(domain)
+        dom.data, dom.state = data, state
+
+    def lease_address(self, domain: str) -> str | None:
+        return self.leases.get(domain)
+
+    def hostdev_holders(self) -> dict[str, str]:
+        return {}
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def refuse(message: str) -> Callable[[str], None]:
+    """A ``before`` hook that fails the operation as libvirt would."""
+
+    def hook(_domain: str) -> None:
+        raise FailedPrecondition(message)
+
+    return hook

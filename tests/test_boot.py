@@ -1,0 +1,125 @@
+"""The boot wait's pure parts: the timeout rule, reading the console (escape sequences, lines
+split across reads, the lines after which a guest never boots) and the watch that turns them and
+a stopped domain into FAILED_PRECONDITION, on an in-memory hypervisor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fake_hypervisor import FakeDomain, FakeHypervisor
+
+from vmsandbox import boot, console
+from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from vmsandbox.record import SandboxFiles
+
+SEABIOS = (
+    "\x1bc\x1b[?7l\x1b[2J\x1b[0mSeaBIOS (version 1.16.2-debian-1.16.2-1)\r\n"
+    "Booting from Hard Disk...\r\nBoot failed: not a bootable disk\r\n\r\nNo bootable device.\r\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("memory_mib", "gpus", "expected"),
+    [
+        (2048, 0, 240.0),
+        (65536, 0, 240.0),  # without VFIO nothing is pinned
+        (16384, 1, 240.0 + 8.0 + 30.0),
+        (2 * 1024 * 1024, 8, 240.0 + 1024.0 + 240.0),
+    ],
+)
+def test_boot_timeout(memory_mib: int, gpus: int, expected: float) -> None:
+    assert boot.boot_timeout(240.0, memory_mib, gpus) == expected
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "10"])
+def test_bad_timeouts_are_invalid_argument(bad: object) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        boot.check_timeout(bad)  # type: ignore[arg-type]
+    assert caught.value.details["field"] == "timeout"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "No bootable device.",
+        "BdsDxe: No bootable option or device was found.",
+        "[    2.1] Kernel panic - not syncing: VFS: Unable to mount root fs on unknown-block(0,0)",
+        "Gave up waiting for root file system device.  Common problems:",
+        "ALERT!  /dev/nonexistent does not exist.  Dropping to a shell!",
+    ],
+)
+def test_fatal_console_lines_are_found(tmp_path: Path, line: str) -> None:
+    log = tmp_path / "console.log"
+    log.write_text(f"booting\r\n{line}\r\n")
+    assert console.ConsoleWatch(log).poll() == line
+
+
+def test_the_watch_reads_lines_split_across_polls_and_strips_escapes(tmp_path: Path) -> None:
+    log = tmp_path / "console.log"
+    watch = console.ConsoleWatch(log)
+    assert watch.poll() is None  # no log yet
+    half = len(SEABIOS) - 12
+    log.write_text(SEABIOS[:half])
+    assert watch.poll() is None
+    with log.open("a") as handle:
+        handle.write(SEABIOS[half:])
+    assert watch.poll() == "No bootable device."
+    assert not watch.cloud_init_seen
+    assert console.tail(log, 1) == "No bootable device."
+    assert "\x1b" not in console.tail(log, 10)
+
+
+def test_cloud_init_is_noticed_once_seen(tmp_path: Path) -> None:
+    log = tmp_path / "console.log"
+    log.write_text("[    0.0] Kernel command line: root=/dev/vda cloud-init=disabled\r\n")
+    watch = console.ConsoleWatch(log)
+    assert watch.poll() is None and not watch.cloud_init_seen  # the cmdline echo is not it
+    with log.open("a") as handle:
+        handle.write("[  OK  ] Finished cloud-init-local.service\r\nlater lines\r\n")
+    assert watch.poll() is None and watch.cloud_init_seen
+
+
+def _watch(tmp_path: Path, running: bool) -> tuple[boot.BootWatch, Path]:
+    files = SandboxFiles(
+        name="unit",
+        overlay=tmp_path / "o",
+        seed=tmp_path / "s",
+        nvram=tmp_path / "n",
+        keys_dir=tmp_path / "k",
+        console_log=tmp_path / "console.log",
+        qemu_log=tmp_path / "qemu.log",
+    )
+    hv = FakeHypervisor()
+    hv.domains["vmsbx-unit"] = FakeDomain("<domain/>", None, "creating", running=running)
+    hv.domains["vmsbx-unit"].reason = "QEMU failed to start or run"
+    return boot.BootWatch(hv, "unit", "vmsbx-unit", files), files.console_log
+
+
+def test_a_fatal_console_line_fails_the_wait_with_the_console(tmp_path: Path) -> None:
+    watch, log = _watch(tmp_path, running=True)
+    assert watch.check()
+    log.write_text(SEABIOS)
+    with pytest.raises(FailedPrecondition, match="cannot boot: its console says") as caught:
+        watch.check()
+    assert caught.value.details["console_line"] == "No bootable device."
+    assert "SeaBIOS" in caught.value.details["console_tail"]
+
+
+def test_a_stopped_domain_fails_the_wait_with_libvirts_reason(tmp_path: Path) -> None:
+    watch, _log = _watch(tmp_path, running=False)
+    (tmp_path / "qemu.log").write_text("qemu-system-x86_64: cannot set up guest memory\n")
+    with pytest.raises(FailedPrecondition, match="stopped before SSH came up: QEMU failed") as c:
+        watch.check()
+    assert "cannot set up guest memory" in c.value.message
+
+
+def test_the_timeout_says_when_cloud_init_never_ran(tmp_path: Path) -> None:
+    watch, log = _watch(tmp_path, running=True)
+    log.write_text("Debian GNU/Linux 12 localhost ttyS0\r\nlocalhost login: ")
+    error = watch.timed_out(DeadlineExceeded("guest did not accept SSH within 60s"))
+    assert boot.NO_CLOUD_INIT in error.message
+    assert error.details["cloud_init_seen"] is False
+    log.write_text("Cloud-init v. 22.4.2 running 'init-local'\r\n")
+    error = watch.timed_out(DeadlineExceeded("guest did not accept SSH within 60s"))
+    assert boot.NO_CLOUD_INIT not in error.message

@@ -1,0 +1,404 @@
+"""The OpenShell compute driver served by ``vmsandbox serve`` on the real libvirtd: the socket
+and its peer check, capabilities, error paths, a gateway reconnecting, GPU requests on the fake
+HGX host down to libvirt's refusal, and (e2e, one guest) the gateway's whole order of calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import REPO, cli_env, leftovers
+from conftest_host import umockdev_run
+from openshell_client import LineGateway, Watch, phase, serving, stub
+
+from vmsandbox.config import Config
+from vmsandbox.openshell.proto import compute_driver_pb2 as pb
+from vmsandbox.openshell.request import sandbox_name
+
+pytestmark = pytest.mark.libvirt
+OTHER_UID = 65534  # nobody
+SUPERVISOR = REPO / "tests" / "fixtures" / "openshell" / "stand-in-supervisor.sh"
+
+
+@pytest.fixture(scope="module")
+def socket_path(config: Config) -> Iterator[Path]:
+    """One served driver for the module, on this test run's state directory."""
+    path = config.state_dir / "openshell" / "driver.sock"
+    with serving(path, cli_env(config)):
+        yield path
+
+
+@pytest.fixture
+def client(socket_path: Path) -> Iterator[object]:
+    channel, driver = stub(socket_path)
+    with channel:
+        yield driver
+
+
+def _request(name: str, **spec: object) -> pb.DriverSandbox:
+    return pb.DriverSandbox(id=f"gw-{name}", name=name, spec=pb.DriverSandboxSpec(**spec))
+
+
+def _code(call: object, *args: object) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as caught:
+        call(*args, timeout=120)  # type: ignore[operator]
+    return caught.value.code(), caught.value.details()
+
+
+def test_socket_is_private_to_its_user(socket_path: Path):
+    assert stat.S_IMODE(socket_path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
+    assert stat.S_ISSOCK(socket_path.stat().st_mode)
+
+
+def test_capabilities_and_no_listener_requirements(client):
+    caps = client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30)
+    assert (caps.driver_name, caps.default_image, caps.gateway_manages_lifecycle) == (
+        "vmsandbox",
+        "minimal",
+        False,
+    )
+    listeners = client.GetGatewayListenerRequirements(
+        pb.GetGatewayListenerRequirementsRequest(), timeout=30
+    )
+    assert list(listeners.requirements) == []
+    client.EnsureWorkspace(pb.EnsureWorkspaceRequest(workspace="w"), timeout=30)
+    client.DeleteWorkspace(pb.DeleteWorkspaceRequest(workspace="w"), timeout=30)
+
+
+def test_bad_requests_come_back_with_vmsandboxs_code_and_message(client, config: Config):
+    oci = _request("t-os-oci", template=pb.DriverSandboxTemplate(image="docker.io/library/ubuntu"))
+    code, message = _code(client.CreateSandbox, pb.CreateSandboxRequest(sandbox=oci))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "template.image 'docker.io/library/ubuntu' is not an image of this host" in message
+    assert "minimal" in message
+    huge = _request(
+        "t-os-huge",
+        template=pb.DriverSandboxTemplate(
+            resources=pb.DriverResourceRequirements(memory_limit="1Ti")
+        ),
+    )
+    code, message = _code(
+        client.ValidateSandboxCreate, pb.ValidateSandboxCreateRequest(sandbox=huge)
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"over this host's cap of {config.max_memory_mib}" in message
+    bad_cpu = _request(
+        "t-os-cpu",
+        template=pb.DriverSandboxTemplate(
+            resources=pb.DriverResourceRequirements(cpu_limit="lots")
+        ),
+    )
+    code, message = _code(client.CreateSandbox, pb.CreateSandboxRequest(sandbox=bad_cpu))
+    assert (code, message.split(" is not")[0]) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "template.resources.cpu_limit 'lots'",
+    )
+    for name in ("t-os-oci", "t-os-huge", "t-os-cpu"):
+        assert leftovers(config, name) == []
+
+
+def test_unknown_sandboxes(client):
+    code, message = _code(
+        client.GetSandbox, pb.GetSandboxRequest(sandbox_id="nope", sandbox_name="t-os-none")
+    )
+    assert (code, message) == (grpc.StatusCode.NOT_FOUND, "sandbox 't-os-none' does not exist")
+    code, _ = _code(client.StopSandbox, pb.StopSandboxRequest(sandbox_name="t-os-none"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    deleted = client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_name="t-os-none"), timeout=60)
+    assert deleted.deleted is False
+
+
+def test_a_gateway_that_disconnects_and_reconnects_is_served_again(socket_path: Path):
+    for _ in range(3):
+        channel, driver = stub(socket_path)
+        with channel:
+            assert driver.ListSandboxes(pb.ListSandboxesRequest(), timeout=30) is not None
+
+
+def test_a_second_server_on_the_same_socket_is_refused(socket_path: Path, config: Config):
+    done = subprocess.run(
+        [sys.executable, "-m", "vmsandbox.cli", "serve", "--openshell-socket", str(socket_path)],
+        capture_output=True,
+        text=True,
+        env=cli_env(config),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 5, done.stderr
+    assert f"another server already listens on {socket_path}" in done.stderr
+    assert stat.S_ISSOCK(socket_path.stat().st_mode)  # the first one's socket is untouched
+
+
+_PEER_CLIENT = textwrap.dedent(
+    """
+    import sys, grpc
+    from vmsandbox.openshell.proto import compute_driver_pb2 as pb, compute_driver_pb2_grpc as g
+    with grpc.insecure_channel("unix:" + sys.argv[1]) as channel:
+        try:
+            g.ComputeDriverStub(channel).GetCapabilities(pb.GetCapabilitiesRequest(), timeout=20)
+        except grpc.RpcError as exc:
+            print(exc.code().name, exc.details())
+        else:
+            print("OK")
+    """
+)
+
+
+def _as_uid(uid: int, socket_path: Path) -> str:
+    done = subprocess.run(
+        [
+            *("setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"),
+            *(sys.executable, "-c", _PEER_CLIENT, str(socket_path)),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def test_another_uid_cannot_reach_the_socket(socket_path: Path):
+    assert _as_uid(OTHER_UID, socket_path).startswith("UNAVAILABLE")
+
+
+def test_the_peer_check_refuses_uids_the_config_does_not_allow(config: Config):
+    allowed = OTHER_UID - 1
+    path = config.state_dir / "shared" / "shared.sock"  # the state dir is 0711: reachable
+    env = cli_env(config, VMSANDBOX_OPENSHELL_ALLOWED_UIDS=str(allowed))
+    with serving(path, env):
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o711
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666
+        assert _as_uid(allowed, path) == "OK"
+        assert _as_uid(OTHER_UID, path).startswith("UNAVAILABLE")
+    assert (
+        "refused a connection from uid 65534" in (config.state_dir / "shared.sock.log").read_text()
+    )
+
+
+def test_gpu_requests_on_the_fake_hgx_host_end_at_libvirts_refusal(config: Config, tmp_path: Path):
+    path = tmp_path / "gpu" / "driver.sock"
+    with umockdev_run("hgx_h100") as (prefix, umockdev_env):
+        testbed = {k: v for k, v in umockdev_env.items() if k == "TMPDIR"}
+        with serving(path, cli_env(config, **testbed), prefix=prefix):
+            channel, driver = stub(path)
+            with channel:
+                too_many = _request("t-os-gpu9")
+                too_many.spec.resource_requirements.gpu.count = 9
+                code, message = _code(
+                    driver.ValidateSandboxCreate, pb.ValidateSandboxCreateRequest(sandbox=too_many)
+                )
+                assert code in (
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                )
+                assert "9" in message
+                # one GPU: on this NVSwitch board (full passthrough) a guest takes 1 or all 8
+                one = _request("t-os-gpu1")
+                one.spec.resource_requirements.gpu.count = 1
+                driver.ValidateSandboxCreate(
+                    pb.ValidateSandboxCreateRequest(sandbox=one), timeout=120
+                )
+                code, message = _code(driver.CreateSandbox, pb.CreateSandboxRequest(sandbox=one))
+                assert code == grpc.StatusCode.FAILED_PRECONDITION
+                assert "starting sandbox 't-os-gpu1': libvirt refused" in message
+                assert "passthrough" in message
+                listed = driver.ListSandboxes(pb.ListSandboxesRequest(), timeout=60)
+                assert "t-os-gpu1" not in [s.name for s in listed.sandboxes]
+    assert leftovers(config, "t-os-gpu1") == []
+
+
+def test_phase_port_matches_the_gateways_rules():
+    def snap(*conditions: tuple[str, str, str], deleting: bool = False) -> pb.DriverSandbox:
+        return pb.DriverSandbox(
+            status=pb.DriverSandboxStatus(
+                deleting=deleting,
+                conditions=[
+                    pb.DriverCondition(type=t, status=s, reason=r) for t, s, r in conditions
+                ],
+            )
+        )
+
+    assert phase(pb.DriverSandbox()) == "Unknown"
+    assert phase(snap(("Ready", "True", ""), deleting=True)) == "Deleting"
+    assert phase(snap(("Ready", "True", ""), ("Suspended", "true", ""))) == "Stopped"
+    assert phase(snap(("Ready", "False", "Starting"))) == "Provisioning"
+    assert phase(snap(("Ready", "False", "BootFailed"))) == "Error"
+    assert phase(snap(("Ready", "Unknown", ""))) == "Provisioning"
+    assert phase(snap(("Ready", "True", "SandboxReady"))) == "Ready"
+
+
+def test_a_derived_name_is_stable_for_the_gateway_id():
+    assert sandbox_name("Not A Name", "gw-7") == sandbox_name("", "gw-7")
+
+
+def _readable_by_others_containing(root: Path, secret: str) -> list[str]:
+    """Files under ``root`` that users other than root could read and that hold ``secret``."""
+    found = []
+    for path in root.rglob("*"):
+        readable = path.is_file() and path.stat().st_mode & 0o004
+        if readable and secret.encode() in path.read_bytes():
+            found.append(str(path))
+    return found
+
+
+@pytest.fixture
+def supervised(config: Config) -> Iterator[tuple[Path, LineGateway]]:
+    """A driver configured with the stand-in supervisor, https endpoint and TLS files, and the
+    stand-in gateway listener its guests dial on this host's loopback."""
+    gateway = LineGateway()
+    folder = config.state_dir / "supervised"
+    folder.mkdir(mode=0o700)
+    tls = {kind: folder / f"{kind}.pem" for kind in ("ca", "cert", "key")}
+    for kind, path in tls.items():
+        path.write_text(f"-----BEGIN TEST {kind.upper()}-----\n")
+    settings = {
+        "openshell_supervisor": str(SUPERVISOR),
+        "openshell_gateway_endpoint": f"https://127.0.0.1:{gateway.port}",
+        **{f"openshell_tls_{kind}": str(path) for kind, path in tls.items()},
+    }
+    config_file = folder / "config.toml"
+    config_file.write_text("".join(f'{key} = "{value}"\n' for key, value in settings.items()))
+    path = config.state_dir / "supervised" / "supervised.sock"
+    try:
+        with serving(path, cli_env(config, VMSANDBOX_CONFIG=str(config_file))):
+            yield path, gateway
+    finally:
+        gateway.close()
+
+
+@pytest.mark.e2e
+def test_the_gateways_order_of_calls_on_one_guest(
+    supervised: tuple[Path, LineGateway], config: Config, manager
+):
+    """One guest, booted twice (create, then start after stop), carries every e2e check: the
+    gateway's order of calls, what the guest and the stand-in supervisor received, and that
+    the token is nowhere on the host but in the 0600 seed."""
+    socket_path, gateway = supervised
+    name, sandbox_id = "t-os-e2e", "gw-e2e-1"
+    token = "eyJ0eXAiOiJKV1QifQ.e2e-payload.signature"
+    channel, client = stub(socket_path)
+    caps = client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30)
+    listeners = client.GetGatewayListenerRequirements(
+        pb.GetGatewayListenerRequirementsRequest(), timeout=30
+    )
+    (listener,) = listeners.requirements
+    assert listener.WhichOneof("selector") == "loopback_interface"
+    command = ["sh", "-c", "echo main"]
+    request = pb.DriverSandbox(
+        id=sandbox_id,
+        name=name,
+        namespace="ns",
+        workspace="ws",
+        spec=pb.DriverSandboxSpec(
+            environment={"GREETING": 'hello "world" $HOME'},
+            template=pb.DriverSandboxTemplate(
+                image=caps.default_image,  # the gateway fills an empty image with it
+                labels={"team": "ml"},
+                environment={"FROM_TEMPLATE": "yes"},
+                resources=pb.DriverResourceRequirements(cpu_request="500m", memory_limit="1Gi"),
+            ),
+            sandbox_token=token,
+            command=command,
+        ),
+    )
+    watch = Watch(socket_path)
+    try:
+        client.ValidateSandboxCreate(pb.ValidateSandboxCreateRequest(sandbox=request), timeout=120)
+        client.CreateSandbox(pb.CreateSandboxRequest(sandbox=request), timeout=600)
+        phases = watch.until("Ready", sandbox_id)
+        assert set(phases) <= {"Provisioning", "Ready"}, phases
+        listed = client.ListSandboxes(pb.ListSandboxesRequest(), timeout=60).sandboxes
+        (mine,) = [snap for snap in listed if snap.id == sandbox_id]
+        assert (mine.name, mine.namespace, mine.workspace, phase(mine)) == (
+            name,
+            "ns",
+            "ws",
+            "Ready",
+        )
+
+        # What the guest received: environment in exec sessions, the token as a root 0600 file.
+        env = manager.exec(name, ["env"]).stdout
+        for line in (
+            'GREETING=hello "world" $HOME',
+            "FROM_TEMPLATE=yes",
+            f"OPENSHELL_SANDBOX={name}",
+            f"OPENSHELL_SANDBOX_ID={sandbox_id}",
+            "OPENSHELL_SANDBOX_TOKEN_FILE=/etc/openshell/sandbox-token",
+        ):
+            assert line in env.splitlines(), env
+        assert token not in env
+        assert manager.get(name).labels["team"] == "ml"
+
+        # What the stand-in supervisor received, and its dial to the gateway on the host.
+        recorded = manager.exec(
+            name,
+            "for i in $(seq 300); do sudo test -e /var/lib/stand-in/reply && break; sleep 1; done; "
+            "sudo sh -c 'cd /var/lib/stand-in && cat uid token-mode token tls reply env'",
+        ).stdout.splitlines()
+        assert recorded[:3] == ["0", "600 root", token]
+        assert recorded[3:6] == [
+            "/opt/openshell/tls/ca.pem 644",
+            "/opt/openshell/tls/cert.pem 644",
+            "/opt/openshell/tls/key.pem 600",
+        ]
+        assert recorded[6] == f"gateway saw: hello from {sandbox_id}"
+        assert gateway.lines == [f"hello from {sandbox_id}"]
+        supervisor_env = set(recorded[7:])
+        main_spec = json.dumps(
+            {"version": 1, "command": command, "tty": False}, separators=(",", ":")
+        )
+        assert {
+            f"OPENSHELL_ENDPOINT=https://127.0.0.1:{gateway.port}",
+            "OPENSHELL_GATEWAY_TLS_SERVER_NAME=127.0.0.1",
+            f"OPENSHELL_SANDBOX={name}",
+            f"OPENSHELL_SANDBOX_ID={sandbox_id}",
+            "OPENSHELL_SANDBOX_TOKEN_FILE=/etc/openshell/sandbox-token",
+            "OPENSHELL_TLS_CA=/opt/openshell/tls/ca.pem",
+            "OPENSHELL_TLS_CERT=/opt/openshell/tls/cert.pem",
+            "OPENSHELL_TLS_KEY=/opt/openshell/tls/key.pem",
+            f"OPENSHELL_MAIN_PROCESS_SPEC={main_spec}",
+            "FROM_TEMPLATE=yes",
+        } <= supervisor_env, supervisor_env
+
+        # The token is nowhere on the host but the 0600 seed.
+        domain_xml = manager.conn.lookupByName(f"vmsbx-{name}").XMLDesc(0)
+        assert token not in domain_xml
+        assert _readable_by_others_containing(config.state_dir, token) == []
+        assert token not in (socket_path.parent.parent / "supervised.sock.log").read_text()
+
+        client.StopSandbox(
+            pb.StopSandboxRequest(sandbox_id=sandbox_id, sandbox_name=name), timeout=300
+        )
+        assert watch.until("Stopped", sandbox_id)[-1] == "Stopped"
+        client.StartSandbox(
+            pb.StartSandboxRequest(sandbox_id=sandbox_id, sandbox_name=name), timeout=300
+        )
+        phases = watch.until("Ready", sandbox_id)
+        # Snapshots of the stop's own later events (shutdown, then stopped) may come first.
+        booting = phases[phases.index("Provisioning") :]
+        assert set(booting) <= {"Provisioning", "Ready"} and set(phases) - set(booting) <= {
+            "Stopped"
+        }, phases
+
+        deleted = client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=sandbox_id), timeout=300)
+        assert deleted.deleted is True
+        assert watch.until("deleted", sandbox_id)[-1] == "deleted"
+        again = client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=sandbox_id), timeout=300)
+        assert again.deleted is False
+    finally:
+        watch.close()
+        channel.close()
+        if leftovers(config, name):
+            manager.destroy(name)
+    assert leftovers(config, name) == []

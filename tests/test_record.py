@@ -1,0 +1,77 @@
+"""The sandbox record: round trip, records of before versions existed, refusing newer ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from vmsandbox.errors import FailedPrecondition
+from vmsandbox.record import SCHEMA_VERSION, GpuRecord, SandboxRecord
+
+# A record as vmsandbox wrote it before the schema had a version (state inside, no "version").
+VERSION_1 = {
+    "mac": "52:54:00:12:34:56",
+    "keys": "/var/lib/vmsandbox/sandboxes/old",
+    "host_key_alias": "vmsbx-old",
+    "created_at": "2026-11-01T10:00:00Z",
+    "creator": {"pid": 42, "start": "1234", "boot": "b00t"},
+    "name": "old",
+    "image": "minimal",
+    "image_id": "d58b858b523f31aa",
+    "cpus": 2,
+    "memory_mib": 1024,
+    "disk_gib": 4,
+    "virt_type": "qemu",
+    "network": "user",
+    "ssh": {"host": "127.0.0.1", "port": 40022, "user": "sandbox"},
+    "labels": {"team": "a"},
+    "gpus": [
+        {
+            "bdf": "0000:18:00.0",
+            "vendor": "nvidia",
+            "vendor_id": "10de",
+            "device_id": "2330",
+            "name": "H100",
+            "memory_mib": 81559,
+            "numa_node": 0,
+            "companions": [],
+            "companion_ids": [],
+        }
+    ],
+    "state": "creating",
+}
+
+
+def test_a_version_1_record_reads_and_writes_back_as_the_current_version() -> None:
+    record = SandboxRecord.from_dict(VERSION_1)
+    assert record.ssh.port == 40022 and record.creator is not None and record.creator.pid == 42
+    assert record.gpus == (
+        GpuRecord("0000:18:00.0", "nvidia", "10de", "2330", "H100", 81559, 0, (), ()),
+    )
+    data = record.to_dict()
+    assert data["version"] == SCHEMA_VERSION and "state" not in data
+    assert SandboxRecord.from_dict(data) == record
+
+
+def test_a_minimal_old_record_gets_the_defaults() -> None:
+    record = SandboxRecord.from_dict({"name": "bare"})
+    assert record.host_key_alias == "vmsbx-bare"
+    assert record.ssh.port is None and record.gpus == () and record.creator is None
+
+
+def test_a_record_of_a_newer_vmsandbox_is_refused() -> None:
+    with pytest.raises(FailedPrecondition, match="newer vmsandbox"):
+        SandboxRecord.from_dict({**VERSION_1, "version": SCHEMA_VERSION + 1})
+
+
+def test_the_fabric_fields_round_trip_and_old_records_hold_none() -> None:
+    old = SandboxRecord.from_dict(VERSION_1)
+    assert old.fabric_partition is None and old.switches == () and not old.on_fabric
+    pair = {**VERSION_1, "gpus": VERSION_1["gpus"] * 2}
+    shared = SandboxRecord.from_dict({**pair, "version": SCHEMA_VERSION, "fabric_partition": 3})
+    assert shared.fabric_partition == 3 and shared.on_fabric
+    assert SandboxRecord.from_dict(shared.to_dict()) == shared
+    single = SandboxRecord.from_dict({**VERSION_1, "fabric_partition": 7})
+    assert not single.on_fabric  # one GPU: no NVLink to check
+    board = SandboxRecord.from_dict({**VERSION_1, "switches": ["0000:07:00.0", "0000:08:00.0"]})
+    assert board.switches == ("0000:07:00.0", "0000:08:00.0") and board.on_fabric
+    assert board.to_dict()["switches"] == ["0000:07:00.0", "0000:08:00.0"]

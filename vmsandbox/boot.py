@@ -1,0 +1,165 @@
+"""Waiting for a started guest to boot: its SSH endpoint, the wait for its sshd, and failing fast
+when the console or libvirt shows that it never will.
+
+A guest that cannot boot (firmware finds no bootable disk, the kernel panics, the initramfs finds
+no root, QEMU exits) fails with FAILED_PRECONDITION as soon as that shows, with the console lines:
+waiting longer cannot help, the image or the host must change. DEADLINE_EXCEEDED is kept for a
+guest still running at the timeout, whose boot may just be slow.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vmsandbox import console, guest
+from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from vmsandbox.hypervisor import Hypervisor
+from vmsandbox.keys import SandboxKeys
+from vmsandbox.progress import Progress
+from vmsandbox.record import SandboxFiles, SshRecord
+
+# Guest boot time beyond ``base`` once GPUs are passed (see ``boot_timeout``).
+PIN_SECONDS_PER_GIB = 0.5
+SECONDS_PER_GPU = 30.0
+CONSOLE_LINES = 30
+LEASE_POLL_S = 0.5
+NO_CLOUD_INIT = (
+    "cloud-init (the NoCloud seed that installs the SSH keys) was not seen on the guest "
+    "console: the image may lack cloud-init or have it disabled"
+)
+
+
+def check_timeout(timeout: float | None, field: str = "timeout") -> None:
+    """A timeout (or ``field``, another span such as stop's grace) is None (the default) or a
+    finite number of seconds above 0 (NaN never expires: every comparison with it is false)."""
+    if timeout is None:
+        return
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise InvalidArgument(
+            f"{field} must be a finite number of seconds above 0, got {timeout!r}",
+            details={"field": field, "value": repr(timeout)},
+        )
+
+
+def boot_timeout(base: float, memory_mib: int, gpus: int) -> float:
+    """Seconds to wait for SSH: ``base`` without GPUs; with GPUs, ``PIN_SECONDS_PER_GIB`` more
+    per GiB of guest memory and ``SECONDS_PER_GPU`` more per GPU.
+
+    With VFIO the host pins every page of guest RAM for DMA (faulting in and zeroing each one:
+    real hosts take from a fraction of a second to seconds per GiB, much of it while QEMU
+    starts), and the firmware and guest kernel then walk all of it; per GPU, OVMF sizes and maps
+    its BARs and the guest driver boots it (GSP firmware on Turing and later), tens of seconds
+    each. A 2 TiB guest with eight GPUs waits ``base`` + 1024 + 240 seconds.
+    """
+    if gpus <= 0:
+        return base
+    return base + PIN_SECONDS_PER_GIB * memory_mib / 1024 + SECONDS_PER_GPU * gpus
+
+
+@dataclass
+class BootWatch:
+    """Watches one booting guest: raises FAILED_PRECONDITION when its console shows a line after
+    which it never boots, or when its domain is no longer running."""
+
+    hypervisor: Hypervisor
+    name: str
+    domain: str
+    files: SandboxFiles
+
+    def __post_init__(self) -> None:
+        self.console = console.ConsoleWatch(self.files.console_log)
+
+    def check(self) -> bool:
+        """True while the guest may still come up; raises once it cannot."""
+        fatal = self.console.poll()
+        if fatal is not None:
+            tail = console.tail(self.files.console_log, CONSOLE_LINES)
+            raise FailedPrecondition(
+                f"sandbox {self.name!r} cannot boot: its console says {fatal!r}"
+                + _console_section(tail),
+                details={"console_line": fatal, "console_tail": tail},
+            )
+        if not self.hypervisor.running(self.domain):
+            reason = self.hypervisor.stop_reason(self.domain)
+            qemu = console.tail(self.files.qemu_log, 5) if self.files.qemu_log else ""
+            tail = console.tail(self.files.console_log, CONSOLE_LINES)
+            raise FailedPrecondition(
+                f"sandbox {self.name!r} stopped before SSH came up: {reason}"
+                + (f"\n--- libvirt's QEMU log (last lines) ---\n{qemu}" if qemu else "")
+                + _console_section(tail),
+                details={"reason": reason, "qemu_log_tail": qemu, "console_tail": tail},
+            )
+        return True
+
+    def timed_out(self, exc: DeadlineExceeded) -> DeadlineExceeded:
+        """The timeout error, saying whether cloud-init ever ran, with the console's tail."""
+        self.console.poll()
+        tail = console.tail(self.files.console_log, CONSOLE_LINES)
+        note = "" if self.console.cloud_init_seen else f"; {NO_CLOUD_INIT}"
+        return DeadlineExceeded(
+            f"sandbox {self.name!r}: {exc.message}{note}" + _console_section(tail),
+            details={"console_tail": tail, "cloud_init_seen": self.console.cloud_init_seen},
+        )
+
+
+def _console_section(tail: str) -> str:
+    return f"\n--- guest console (last lines) ---\n{tail or '(console log is empty)'}"
+
+
+def lease_endpoint(
+    hypervisor: Hypervisor, domain: str, user: str, *, timeout: float, check: Callable[[], bool]
+) -> guest.Endpoint:
+    """The guest's sshd at its DHCP address (libvirt-network mode), once it has a lease."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        check()
+        address = hypervisor.lease_address(domain)
+        if address is not None:
+            return guest.Endpoint(address, 22, user)
+        time.sleep(LEASE_POLL_S)
+    raise DeadlineExceeded(f"domain {domain!r} got no DHCP lease within {timeout:.0f}s")
+
+
+def endpoint(watch: BootWatch, ssh: SshRecord, *, timeout: float) -> guest.Endpoint:
+    """Where the booting guest's sshd is: its forwarded loopback port, or (libvirt network) its
+    DHCP address once it has a lease."""
+    if ssh.port is not None:
+        return guest.Endpoint(ssh.host, ssh.port, ssh.user)
+    try:
+        return lease_endpoint(
+            watch.hypervisor, watch.domain, ssh.user, timeout=timeout, check=watch.check
+        )
+    except DeadlineExceeded as exc:
+        raise watch.timed_out(exc) from exc
+
+
+def wait_for_ssh(
+    watch: BootWatch,
+    endpoint: guest.Endpoint,
+    keys: SandboxKeys,
+    *,
+    timeout: float,
+    progress: Progress,
+) -> float:
+    """Wait until the guest's sshd accepts the sandbox key; return the seconds waited."""
+    try:
+        waited = guest.wait_ready(
+            endpoint,
+            keys,
+            timeout=timeout,
+            progress=progress,
+            still_running=watch.check,
+            stage=lambda: console.stage(watch.files.console_log),
+        )
+    except DeadlineExceeded as exc:
+        raise watch.timed_out(exc) from exc
+    progress(f"SSH is up after {waited:.1f}s")
+    return round(waited, 2)

@@ -1,0 +1,101 @@
+"""Reading a guest's serial console log: its last lines, how far the boot got, and the lines that
+say it never will (firmware finding nothing to boot, a kernel panic, an initramfs without root).
+
+The log is written by QEMU (``<serial><log file=...>``) and holds firmware, kernel, systemd and
+cloud-init output, colours and cursor moves included; what is shown is stripped of those.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+# Escape sequences of the guest console (colours, cursor moves): never echoed to a terminal.
+_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
+
+# Lines after which a guest never reaches SSH, whatever the wait: firmware (SeaBIOS, OVMF),
+# the kernel, and Debian's initramfs-tools when the root device never shows up.
+FATAL = (
+    re.compile(r"No bootable device"),  # SeaBIOS
+    re.compile(r"No bootable option or device was found"),  # OVMF BdsDxe
+    re.compile(r"Kernel panic - not syncing"),
+    re.compile(r"VFS: Unable to mount root fs"),
+    re.compile(r"Gave up waiting for root"),
+    re.compile(r"ALERT! .* does not exist"),
+)
+# Seen when cloud-init runs (its own banner, its systemd units, its log lines), not in the kernel
+# command line echo (``cloud-init=disabled``): without it the NoCloud seed that installs the SSH
+# keys is never read.
+CLOUD_INIT_RE = re.compile(r"Cloud-init v\. |cloud-init(-local)?\.service|cloud-init\[\d+\]")
+
+_STAGES = (
+    ("Reached target multi-user", "multi-user target reached"),
+    ("Starting ssh.service", "starting sshd"),
+    ("cloud-init", "cloud-init running"),
+    ("Reached target basic", "basic system up"),
+    ("Run /init", "initramfs"),
+    ("Linux version", "kernel booting"),
+)
+_TAIL_BYTES = 16384
+
+
+def clean(text: str) -> str:
+    """``text`` without escape sequences and unprintable characters (newlines and tabs kept)."""
+    text = _ANSI_RE.sub("", text).replace("\r", "")
+    return "".join(ch for ch in text if ch in "\n\t" or ch.isprintable())
+
+
+def tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of the console log, cleaned; empty when there is none."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - _TAIL_BYTES))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(clean(text).splitlines()[-lines:])
+
+
+def stage(path: Path) -> str:
+    """A short phrase for how far the guest has got, read from its console log."""
+    text = tail(path, 80)
+    if not text:
+        return "firmware"
+    for marker, phrase in _STAGES:
+        if marker in text:
+            return phrase
+    return "booting"
+
+
+class ConsoleWatch:
+    """Follows a console log as it grows: remembers whether cloud-init was ever seen and finds
+    the first fatal line. Reads only what was added since the last ``poll``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cloud_init_seen = False
+        self._offset = 0
+        self._partial = ""
+
+    def poll(self) -> str | None:
+        """The first fatal line written since the last poll, or None."""
+        try:
+            with self.path.open("rb") as handle:
+                if os.fstat(handle.fileno()).st_size < self._offset:
+                    self._offset, self._partial = 0, ""  # truncated: QEMU started it again
+                handle.seek(self._offset)
+                chunk = handle.read()
+        except OSError:
+            return None
+        self._offset += len(chunk)
+        text = self._partial + clean(chunk.decode(errors="replace"))
+        lines = text.split("\n")
+        self._partial = lines.pop()  # an unfinished line is read again with the rest of it
+        for line in lines:
+            if CLOUD_INIT_RE.search(line):
+                self.cloud_init_seen = True
+            if any(pattern.search(line) for pattern in FATAL):
+                return line.strip()
+        return None

@@ -1,0 +1,11 @@
+"""vmsandbox as an OpenShell compute driver: the ``openshell.compute.v1.ComputeDriver`` gRPC
+service on a Unix socket (``vmsandbox serve --openshell-socket PATH``), mapped onto
+SandboxManager.
+
+Modules: ``quantity`` (Kubernetes CPU/memory quantities), ``request`` (a DriverSandbox into a
+SandboxSpec and what the guest receives), ``status`` (a sandbox into its DriverSandbox snapshot),
+``events`` (libvirt lifecycle events fanned out to watchers), ``service`` (the RPCs),
+``supervisor`` (the optional openshell-sandbox in every guest), ``tunnel`` (its SSH way back to
+the gateway), ``socket`` (the socket, its modes and the peer check), ``splice`` (the two-way
+copy both relay through), ``server`` (serving until SIGTERM).
+"""

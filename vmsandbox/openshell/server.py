@@ -1,0 +1,72 @@
+"""``vmsandbox serve --openshell-socket PATH``: the compute driver in the foreground until
+SIGTERM or SIGINT, logging to stderr.
+
+gRPC listens on a socket in a private 0700 folder; the gateway's socket at PATH is served by a
+``PeerGate`` that checks each peer's uid and relays to it. A gateway that disconnects and
+reconnects needs nothing: every connection is accepted anew and the service keeps no
+per-connection state.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import tempfile
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from vmsandbox.config import Config
+from vmsandbox.errors import VmSandboxError
+from vmsandbox.openshell.events import DomainEvents
+from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
+from vmsandbox.openshell.service import ComputeDriver
+from vmsandbox.openshell.socket import PeerGate
+
+log = logging.getLogger("vmsandbox.openshell")
+_WORKERS = 32  # each open watch stream holds one
+_STOP_GRACE = 5.0  # seconds in-flight RPCs get to finish at shutdown
+
+
+def serve(socket_path: str, config: Config | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit status (0). A socket that cannot be
+    served raises its vmsandbox error, after everything made so far is removed."""
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
+    )
+    config = config or Config.load()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    events = DomainEvents(config.uri)
+    try:
+        driver = ComputeDriver(config, events)  # a supervisor that cannot work stops us here
+    except VmSandboxError:
+        events.close()
+        raise
+    private = Path(tempfile.mkdtemp(prefix="vmsandbox-grpc-"))  # mkdtemp: 0700, ours alone
+    backend = private / "grpc.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=_WORKERS))
+    pb_grpc.add_ComputeDriverServicer_to_server(driver, server)
+    server.add_insecure_port(f"unix:{backend}")
+    gate: PeerGate | None = None
+    try:
+        server.start()
+        gate = PeerGate(Path(socket_path), backend, frozenset(config.openshell_allowed_uids))
+        gate.start()
+        driver.resume_tunnels()
+        log.info("serving the OpenShell compute driver on %s", socket_path)
+        stop.wait()
+        log.info("stopping")
+    finally:  # a failure to start propagates: the CLI prints its code and message
+        if gate is not None:
+            gate.close()
+        server.stop(_STOP_GRACE).wait()
+        driver.close()
+        events.close()
+        backend.unlink(missing_ok=True)
+        private.rmdir()
+    return 0

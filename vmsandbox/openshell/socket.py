@@ -1,0 +1,123 @@
+"""The driver's Unix socket: its folder and mode, and the peer check gRPC cannot do.
+
+The extension socket has no TLS and no authentication; the socket is the protection. grpcio
+tells a servicer nothing about a Unix peer (``context.peer()`` is ``"unix:"``, the auth context
+has no uid), so the check happens where the kernel knows: ``PeerGate`` accepts on the public
+socket, reads the peer's credentials (SO_PEERCRED), closes connections from uids that are not
+allowed, and relays the others byte for byte to gRPC's own socket, which sits in a 0700 folder
+of its own that only this user can reach.
+
+Allowed: the server's own uid, and those listed in the config (``openshell_allowed_uids``).
+Modes: folder 0700 and socket 0600 when only the own uid is allowed; with other uids allowed,
+folder 0711 and socket 0666, so they can reach it at all and the peer check decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from pathlib import Path
+
+from vmsandbox.errors import FailedPrecondition, InvalidArgument
+from vmsandbox.openshell.splice import splice
+
+log = logging.getLogger(__name__)
+_UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, one for the NUL
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def prepare_socket_path(path: Path, *, shared: bool) -> None:
+    """Make the socket's folder (0700, or 0711 when ``shared``) and remove a stale socket."""
+    if len(os.fsencode(path)) > _UNIX_PATH_MAX:
+        raise InvalidArgument(
+            f"socket path {path} is longer than {_UNIX_PATH_MAX} bytes, the most a Unix "
+            "socket address holds",
+            details={"field": "openshell_socket", "value": str(path)},
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o711 if shared else 0o700)
+        if path.is_symlink() or path.exists():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise FailedPrecondition(f"{path} exists and is not a socket; not replacing it")
+            if _listening(path):
+                raise FailedPrecondition(f"another server already listens on {path}")
+            path.unlink()
+    except OSError as exc:
+        raise FailedPrecondition(f"cannot prepare socket {path}: {exc.strerror}") from exc
+
+
+def _listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+class PeerGate:
+    """Accept on ``public``, check each peer's uid, relay allowed ones to ``backend``."""
+
+    def __init__(self, public: Path, backend: Path, allowed_uids: frozenset[int]) -> None:
+        self.public = public
+        self.backend = backend
+        self.allowed = allowed_uids | {os.geteuid()}
+        shared = self.allowed != {os.geteuid()}
+        prepare_socket_path(public, shared=shared)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o111 if shared else 0o177)  # the socket is born with its final mode
+        try:
+            self._listener.bind(str(public))
+        finally:
+            os.umask(old)
+        self._listener.listen(64)
+        self._thread = threading.Thread(target=self._accept, name="peer-gate", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting and remove the socket (relays already open end with their peer)."""
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with contextlib.suppress(OSError):
+            self.public.unlink()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _addr = self._listener.accept()
+            except OSError:
+                return  # closed
+            uid = peer_uid(conn)
+            if uid not in self.allowed:
+                log.warning(
+                    "refused a connection from uid %d (allowed: %s)", uid, sorted(self.allowed)
+                )
+                conn.close()
+                continue
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            backend.connect(str(self.backend))
+        except OSError as exc:
+            log.error("cannot reach the gRPC server at %s: %s", self.backend, exc)
+            client.close()
+            backend.close()
+            return
+        splice(client, backend)

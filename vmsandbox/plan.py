@@ -1,0 +1,195 @@
+"""Planning a sandbox: spec + image + config + GPUs -> the record and the domain to define.
+
+Pure: nothing here reads the host or libvirt (the caller hands in the GPUs, the port, the MAC,
+the host CPUs per NUMA node), so ``create``, ``dry_run`` and the benchmarks build the very same
+domain from the same inputs. A plan is never changed after it is made; a new port means a new
+plan (``with_port``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from vmsandbox import domain as domain_xml
+from vmsandbox.errors import InvalidArgument, ResourceExhausted
+from vmsandbox.image_build import KERNEL_CMDLINE
+from vmsandbox.images import BaseImage
+from vmsandbox.process import ProcessIdentity
+from vmsandbox.record import (
+    DOMAIN_PREFIX,
+    STATE_CREATING,
+    GpuRecord,
+    SandboxFiles,
+    SandboxRecord,
+    SshRecord,
+)
+
+if TYPE_CHECKING:
+    from vmsandbox.allocator import Allocation
+    from vmsandbox.config import Config
+    from vmsandbox.host.model import Gpu
+    from vmsandbox.spec import SandboxSpec
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    """What ``create`` will make: the record, the files, and the domain to define."""
+
+    record: SandboxRecord
+    files: SandboxFiles
+    domain: domain_xml.DomainPlan
+    gpus: tuple[Gpu, ...]
+
+    @property
+    def domain_name(self) -> str:
+        return self.domain.domain_name
+
+    def xml(self) -> str:
+        return domain_xml.build_domain_xml(self.domain)
+
+
+def new_mac() -> str:
+    """A random MAC in QEMU's locally administered 52:54:00 range."""
+    return "52:54:00:" + ":".join(f"{b:02x}" for b in os.urandom(3))
+
+
+def plan(
+    spec: SandboxSpec,
+    *,
+    name: str,
+    config: Config,
+    image: BaseImage | None,
+    virt_type: str,
+    allocation: Allocation | None = None,
+    port: int | None = None,
+    mac: str = "52:54:00:00:00:01",
+    host_cpus: dict[int, list[int]] | None = None,
+    files: SandboxFiles | None = None,
+    creator: ProcessIdentity | None = None,
+    created_at: str | None = None,
+) -> SandboxPlan:
+    """The plan of sandbox ``name`` (``image`` None: where an unbuilt image will be).
+
+    ``port`` is the loopback port forwarded to the guest's sshd (user networking only);
+    ``host_cpus`` the host's CPUs per NUMA node, for pinning GPU sandboxes. ``allocation``
+    (None: no GPUs) gives the GPUs and, on NVSwitch boards, the NVSwitches passed along (full
+    passthrough) or the Fabric Manager partition that connects them (shared mode); the record
+    names both.
+    """
+    files = files or SandboxFiles.of(config, name)
+    gpus = allocation.gpus if allocation else ()
+    switches = [switch.bdf for switch in allocation.switches] if allocation else []
+    partition = allocation.partition if allocation else None
+    alias = DOMAIN_PREFIX + name
+    record = SandboxRecord(
+        name=name,
+        image=spec.image,
+        image_id=image.id if image else None,
+        cpus=spec.cpus,
+        memory_mib=spec.memory_mib,
+        disk_gib=spec.disk_gib,
+        virt_type=virt_type,
+        network=config.network,
+        ssh=SshRecord(host=LOOPBACK, port=port, user=config.ssh_user),
+        mac=mac,
+        keys=str(files.keys_dir),
+        host_key_alias=alias,
+        created_at=created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        creator=creator,
+        labels=dict(spec.labels),
+        gpus=tuple(GpuRecord.of(gpu) for gpu in gpus),
+        fabric_partition=partition.id if partition else None,
+        switches=tuple(switches),
+    )
+    image_dir = image.path if image else config.images / spec.image / "current"
+    domain = domain_xml.DomainPlan(
+        domain_name=alias,
+        uuid=str(uuid.uuid4()),
+        virt_type=virt_type,
+        cpus=spec.cpus,
+        memory_mib=spec.memory_mib,
+        overlay=files.overlay,
+        seed=files.seed,
+        console_log=files.console_log,
+        record=record.to_dict(),
+        state=STATE_CREATING,
+        kernel=image.kernel if image else image_dir / "vmlinuz",
+        initrd=image.initrd if image else image_dir / "initrd.img",
+        cmdline=image.cmdline if image else KERNEL_CMDLINE,
+        network=config.network,
+        mac=mac,
+        ssh_port=port,
+        guest_outbound=config.guest_outbound,
+    )
+    if gpus:
+        from vmsandbox import passthrough
+
+        devices = passthrough.plan(
+            list(gpus),
+            host_cpus=host_cpus,
+            vcpus=spec.cpus,
+            memory_mib=spec.memory_mib,
+            virt_type=virt_type,
+            pin=config.numa_pinning,
+            switches=switches,
+        )
+        domain = replace(
+            domain,
+            uefi=True,
+            nvram=files.nvram,
+            ovmf_code=config.ovmf_code,
+            ovmf_vars=config.ovmf_vars,
+            extra=[functools.partial(passthrough.apply, plan=devices)],
+        )
+    return SandboxPlan(record=record, files=files, domain=domain, gpus=gpus)
+
+
+def with_port(planned: SandboxPlan, port: int) -> SandboxPlan:
+    """The same plan with another forwarded SSH port (the first one was taken meanwhile)."""
+    record = replace(planned.record, ssh=replace(planned.record.ssh, port=port))
+    domain = replace(planned.domain, ssh_port=port, record=record.to_dict())
+    return replace(planned, record=record, domain=domain)
+
+
+def check_caps(spec: SandboxSpec, config: Config) -> None:
+    """INVALID_ARGUMENT when the spec asks for more than this host allows one sandbox."""
+    for what, value, cap in (
+        ("cpus", spec.cpus, config.max_cpus),
+        ("memory_mib", spec.memory_mib, config.max_memory_mib),
+        ("disk_gib", spec.disk_gib, config.max_disk_gib),
+    ):
+        if value > cap:
+            raise InvalidArgument(
+                f"{what} {value} is over this host's cap of {cap} per sandbox",
+                details={"field": what, "value": value, "max": cap},
+            )
+
+
+def check_disk(spec: SandboxSpec, image: BaseImage) -> None:
+    """INVALID_ARGUMENT when the disk is smaller than the image it is made from."""
+    if spec.disk_gib * 2**30 < image.virtual_size:
+        raise InvalidArgument(
+            f"disk_gib {spec.disk_gib} is smaller than image {image.name!r} "
+            f"({image.virtual_size / 2**30:.1f} GiB)",
+            details={"field": "disk_gib", "value": spec.disk_gib},
+        )
+
+
+def free_port(taken: set[int | None]) -> int:
+    """A loopback port not in ``taken`` that nothing listens on right now. QEMU binds it only
+    at start, so it can still be taken meanwhile: the create's start step then plans another."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((LOOPBACK, 0))
+            port = int(probe.getsockname()[1])
+        if port not in taken:
+            return port
+    raise ResourceExhausted("no free loopback port found for SSH forwarding")

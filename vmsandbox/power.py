@@ -1,0 +1,111 @@
+"""Powering a sandbox off and on with its disk and GPUs kept, and waiting for a started guest.
+
+A stopped sandbox keeps its GPUs: the hostdevs of an inactive domain still count as held
+(vmsandbox.host.holders), so no other sandbox takes them meanwhile. Starting passes them through
+again; when one has gone from the host (removed, or taken by a host driver) libvirt refuses, and
+the sandbox is left as it was. Readiness and boot failure are written to the domain's metadata,
+so a watcher of libvirt's metadata events (the OpenShell driver) learns of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+
+from vmsandbox import boot, lifecycle
+from vmsandbox.config import Config
+from vmsandbox.errors import FailedPrecondition, VmSandboxError
+from vmsandbox.hypervisor import Hypervisor
+from vmsandbox.process import ProcessIdentity
+from vmsandbox.progress import Progress
+from vmsandbox.record import (
+    DOMAIN_PREFIX,
+    STATE_CREATING,
+    STATE_FAILED,
+    STATE_READY,
+    STATE_STARTING,
+    SandboxFiles,
+    SandboxRecord,
+)
+
+POLL_S = 0.5
+
+
+def stop(hypervisor: Hypervisor, domain: str, *, grace: float) -> None:
+    """Press the guest's power button, and power it off when it still runs after ``grace``
+    seconds. Nothing to do for a domain that does not run."""
+    hypervisor.shutdown(domain)
+    deadline = time.monotonic() + grace
+    while hypervisor.running(domain) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    if hypervisor.running(domain):
+        hypervisor.stop(domain)
+
+
+def start(hypervisor: Hypervisor, record: SandboxRecord, state: str) -> bool:
+    """Start a sandbox that does not run; False when it runs already (nothing done).
+
+    It is stored as ``starting`` by this process first (so it shows starting, not stopped,
+    between the call and QEMU running). A refused start restores the record and state it had,
+    and the error (FAILED_PRECONDITION with libvirt's words for a GPU that is gone) propagates.
+    """
+    domain = DOMAIN_PREFIX + record.name
+    if state == STATE_CREATING:
+        raise FailedPrecondition(
+            f"sandbox {record.name!r} is still being created", details={"name": record.name}
+        )
+    if hypervisor.running(domain):
+        return False
+    starting = replace(record, failure=None, starter=ProcessIdentity.current())
+    hypervisor.set_metadata(domain, starting.to_dict(), STATE_STARTING)
+    try:
+        hypervisor.start(domain)
+    except BaseException as exc:
+        try:
+            hypervisor.set_metadata(domain, record.to_dict(), state)
+        except VmSandboxError as restore:  # the start's error stays the one the caller sees
+            exc.add_note(f"restoring the state of sandbox {record.name!r} failed: {restore}")
+        raise
+    return True
+
+
+def wait(
+    hypervisor: Hypervisor,
+    config: Config,
+    record: SandboxRecord,
+    progress: Progress,
+    *,
+    verify: bool,
+    timeout: float | None,
+) -> tuple[SandboxRecord, float]:
+    """Wait until a started guest answers SSH (failing fast as boot.py does), verify its GPUs
+    from inside (``verify``) and store it ready; return the record and the seconds waited.
+
+    A guest that does not come up is stored ``failed`` with the error's code and message as its
+    ``failure``, and the error propagates; a failed verification is stored (ready, with its
+    report) and raised as GuestVerificationFailed.
+    """
+    domain = DOMAIN_PREFIX + record.name
+    files = SandboxFiles.of(config, record.name)
+    limit = timeout or boot.boot_timeout(config.boot_timeout, record.memory_mib, len(record.gpus))
+    watch = boot.BootWatch(hypervisor, record.name, domain, files)
+    try:
+        endpoint = boot.endpoint(watch, record.ssh, timeout=limit)
+        if record.ssh.port is None:  # the DHCP address is kept: get/exec/ssh use it
+            record = replace(record, ssh=replace(record.ssh, host=endpoint.host, port=22))
+        keys = files.keys(record.host_key_alias)
+        waited = boot.wait_for_ssh(watch, endpoint, keys, timeout=limit, progress=progress)
+        report = lifecycle.verify_guest(record, endpoint, files) if verify else None
+    except VmSandboxError as exc:
+        failed = replace(record, failure={"code": exc.code, "message": exc.message})
+        with contextlib.suppress(VmSandboxError):  # the boot's error is the one to see
+            hypervisor.set_metadata(domain, failed.to_dict(), STATE_FAILED)
+        raise
+    record = replace(record, verification=report, failure=None)
+    hypervisor.set_metadata(domain, record.to_dict(), STATE_READY)
+    if report is not None and not report["ok"]:
+        from vmsandbox.verify import VerificationReport, raise_if_failed
+
+        raise_if_failed(VerificationReport.from_dict(report), subject=f"sandbox {record.name!r}")
+    return record, waited
