@@ -7,8 +7,9 @@ groups. L1 has no KVM (setup/nested.sh says why), so vmsandbox's probe picks TCG
 serves the whole module and is stopped at its end. Every command below runs inside L1 through
 ``setup/nested.sh exec``.
 
-The crash tests use the manager's crash seam (``VMSANDBOX_CRASH_AT=<stage>``: the create prints
-``vmsandbox-checkpoint <stage>`` on stderr and waits to be killed).
+The crash tests run the create through tests/crash_cli.py, which setup/nested.sh copies into L1
+with the code: at checkpoint ``<stage>`` it prints ``vmsandbox-checkpoint <stage>`` on stderr and
+waits to be killed.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 NESTED = REPO / "setup" / "nested.sh"
 RV100 = ("0x1002", "0x5159")
 RAGE128P = ("0x1002", "0x5046")
-STAGES = ("locked", "overlay", "defined", "started", "waiting")
+STAGES = ("locked", "overlay", "define", "start", "waiting")
 SMALL = ("--memory", "512")  # L1 has 3 GiB; L2 needs no more to boot and show its PCI tree
 # TCG inside TCG: OVMF and the guest's boot take many minutes, far beyond the default wait.
 BOOT = ("--timeout", "2400")
 # First boot builds the images when the machine has none (CI's fresh machine), then boots L1.
 START_TIMEOUT = 3600
 CRASH_PID = "/run/vmsbx-test-create.pid"
+CRASH_CLI = "/opt/vmsandbox/bin/python /opt/vmsandbox/src/tests/crash_cli.py"
 
 
 def nested_env() -> dict[str, str]:
@@ -240,8 +242,8 @@ def test_kill_at_each_create_stage_then_reconcile_restores_everything(
 ) -> None:
     name = generate_name("t")
     create = (
-        f"echo $$ > {CRASH_PID}; VMSANDBOX_CRASH_AT={stage} "
-        f"exec vmsandbox create {name} --gpu 2 {' '.join((*SMALL, *BOOT))}"
+        f"echo $$ > {CRASH_PID}; "
+        f"exec {CRASH_CLI} {stage} create {name} --gpu 2 {' '.join((*SMALL, *BOOT))}"
     )
     proc = subprocess.Popen(
         ["bash", str(NESTED), "exec", "--", "sh", "-c", create],
@@ -259,7 +261,7 @@ def test_kill_at_each_create_stage_then_reconcile_restores_everything(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    if stage in ("started", "waiting"):
+    if stage in ("start", "waiting"):
         assert set(drivers(list(cards)).values()) == {"vfio-pci"}  # the killed guest holds them
     done = vmsandbox("--json", "reconcile")
     assert done.returncode == 0, done.stderr
