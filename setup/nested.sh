@@ -22,56 +22,14 @@ STATE="${VMSANDBOX_NESTED_DIR:-/var/tmp/vmsandbox-nested}"
 MEMORY_MIB="${VMSANDBOX_NESTED_MEMORY_MIB:-3072}"
 CPUS="${VMSANDBOX_NESTED_CPUS:-2}"
 BOOT_TIMEOUT="${VMSANDBOX_NESTED_BOOT_TIMEOUT:-900}"
-# L1 runs on QEMU 10.0 from bookworm-backports, unpacked privately (never installed over the
-# QEMU libvirt uses): with KVM in L1 (nested SVM under TCG), bookworm's QEMU 7.2 aborted in 4 of
-# 6 L2 boots ("tcg_handle_interrupt: assertion failed: (qemu_mutex_iothread_locked())", its
-# SVM CR8-write helper raising an interrupt without the big QEMU lock).
-QEMU_PACKAGES=(qemu-system-x86 qemu-system-common qemu-system-data)
-QEMU_VERSION="1:10.0.2+ds-2+deb13u1~bpo12+1"
-QEMU_CACHE="${VMSANDBOX_NESTED_QEMU_DIR:-/var/lib/vmsandbox/nested-qemu}"
-QEMU="$QEMU_CACHE/root/usr/bin/qemu-system-x86_64"
-# The bookworm-backports mirror line, from the host's own apt sources (the URI that serves
-# bookworm, with its signing key), so no package host is written here.
-backports_line() {
-  "$PYTHON" -c '
-from vmsandbox.apt_sources import host_sources
-found = [s for s in host_sources() if s.suite == "bookworm"]
-if not found:
-    raise SystemExit("the host apt sources list no mirror for bookworm")
-opts = f"[signed-by={found[0].signed_by}] " if found[0].signed_by else ""
-print(f"deb {opts}{found[0].uri} bookworm-backports main")'
-}
-
-# QEMU $QEMU_VERSION unpacked under $QEMU_CACHE/root, downloaded once and then reused. Its
-# shared libraries are bookworm's (setup.sh installs them with the host's QEMU); the BIOS and
-# option ROMs come from the host's seabios and ipxe-qemu, on QEMU's built-in firmware path.
-fetch_qemu() {
-  if [ "$(cat "$QEMU_CACHE/version" 2>/dev/null)" = "$QEMU_VERSION" ] && [ -x "$QEMU" ]; then
-    return
-  fi
-  say "fetching QEMU $QEMU_VERSION from bookworm-backports into $QEMU_CACHE"
-  local work="$QEMU_CACHE.tmp"
-  rm -rf "$work"
-  mkdir -p "$work/lists/partial" "$work/debs" "$work/root"
-  backports_line > "$work/sources.list"
-  local apt=(apt-get -q -oDir::Etc::SourceList="$work/sources.list" -oDir::Etc::SourceParts=/dev/null
-    -oDir::State::Lists="$work/lists" -oDebug::NoLocking=1 -oAPT::Sandbox::User=root)
-  "${apt[@]}" update >&2
-  local wanted=() pkg
-  for pkg in "${QEMU_PACKAGES[@]}"; do wanted+=("$pkg=$QEMU_VERSION"); done
-  (cd "$work/debs" && "${apt[@]}" download "${wanted[@]}" >&2)
-  for deb in "$work/debs/"*.deb; do dpkg -x "$deb" "$work/root"; done
-  local missing
-  missing=$(ldd "$work/root/usr/bin/qemu-system-x86_64" | grep 'not found' || true)
-  [ -z "$missing" ] || die "QEMU $QEMU_VERSION needs libraries this host lacks: $missing"
-  rm -rf "$QEMU_CACHE"
-  mkdir -p "$QEMU_CACHE"
-  mv "$work/root" "$QEMU_CACHE/root"
-  echo "$QEMU_VERSION" > "$QEMU_CACHE/version"
-  rm -rf "$work"
-  say "QEMU $("$QEMU" --version | head -n 1) ready"
-}
-
+# No KVM in L1, so L2 guests run under TCG inside it. With kvm_amd on L1's emulated SVM, QEMU
+# aborts L1 while a UEFI (OVMF) L2 boots: "tcg_handle_interrupt: assertion failed: (bql_locked())"
+# -- its CR8-write helper raises the nested guest's virtual interrupt without the big QEMU lock.
+# Seen with bookworm's QEMU 7.2 (4 of 6 GPU creates) and with QEMU 10.0.2 from
+# bookworm-backports (2 of 2); an L2 without GPU (direct kernel boot, no OVMF) booted fine on KVM.
+# `-cpu max,svm=off` is no way out: L1's systemd then fails to write its root filesystem (EINVAL).
+NO_KVM="modprobe.blacklist=kvm_amd"
+QEMU=/usr/bin/qemu-system-x86_64
 # The two cards: an RV100 (Radeon 7000, 1002:5159, which radeon drives) and a Rage 128 Pro
 # (1002:5046, which no driver of the generic kernel binds by default), in slots of their own so
 # each is alone in its IOMMU group.
@@ -147,7 +105,6 @@ boot() {
   say "building the images if needed (minimal, nested)"
   "$PYTHON" -m vmsandbox.cli images build minimal >&2
   "$PYTHON" -m vmsandbox.cli images build nested >&2
-  fetch_qemu
   local nested minimal
   nested=$(image_path nested)
   minimal=$(image_path minimal)
@@ -168,10 +125,10 @@ boot() {
   say "booting L1 (TCG, $CPUS vCPU(s), ${MEMORY_MIB} MiB, SSH on 127.0.0.1:$(cat "$STATE/port"))"
   setsid "$QEMU" -name vmsandbox-nested -nodefaults -machine q35 -accel tcg,thread=multi -cpu max \
     -smp "$CPUS" -m "$MEMORY_MIB" \
-    -device intel-iommu,intremap=on,caching-mode=on -L "$QEMU_CACHE/root/usr/share/qemu" \
+    -device intel-iommu,intremap=on,caching-mode=on \
     -vga std "${CARDS[@]}" \
     -kernel "$nested/vmlinuz" -initrd "$nested/initrd.img" \
-    -append "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 intel_iommu=on" \
+    -append "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 intel_iommu=on $NO_KVM" \
     -drive "file=$STATE/l1.qcow2,if=virtio,format=qcow2" \
     -drive "file=$STATE/data.img,if=virtio,format=raw" \
     -netdev "user,id=n0,hostfwd=tcp:127.0.0.1:$(cat "$STATE/port")-:22" \
