@@ -8,9 +8,10 @@ setup:
 demo: setup
 	bash setup/demo.sh
 
-# The test run needs both guest images: the NVIDIA one is booted by its own e2e test.
+# The test run needs all three images: the NVIDIA one is booted by its own e2e test, and the
+# nested GPU host (tests/test_e2e_nested.py, through setup/nested.sh) by the real-VFIO tests.
 test:
-	VMSANDBOX_IMAGES="minimal nvidia" bash setup/setup.sh
+	VMSANDBOX_IMAGES="minimal nvidia nested" bash setup/setup.sh
 	.venv/bin/ruff check vmsandbox tests bench
 	.venv/bin/ruff format --check vmsandbox tests bench
 	.venv/bin/pytest -p no:cacheprovider -ra tests

@@ -400,6 +400,20 @@ def test_mi300x() -> None:
     assert (inventory["fabric"], inventory["host"]["notes"]) == ([], [])
 
 
+def test_host_process_holding_a_dri_node_blocks_an_amd_gpu(tmp_path: Path) -> None:
+    """A GPU on a DRM driver (amdgpu, radeon) is held through /dev/dri/cardN or renderDN, not
+    /dev/nvidiaN, which was all the inventory looked at."""
+    fd_dir = tmp_path / "4321" / "fd"
+    fd_dir.mkdir(parents=True)
+    (tmp_path / "4321" / "comm").write_text("sleep\n")
+    os.symlink("/dev/dri/renderD128", fd_dir / "0")
+    held, free = probe("mi300x", [{"proc_root": str(tmp_path)}, {}])
+    [gpu] = held["inventory"]["gpus"]
+    assert gpu["reasons"] == ["host processes hold it open: pid 4321 (sleep)"]
+    assert gpu["bindable"] is False
+    assert free["inventory"]["gpus"][0]["bindable"] is True
+
+
 def test_boot_vga_card_is_not_bindable() -> None:
     [result] = probe("boot_vga", [{"use_nvml": False}])
     [gpu] = result["inventory"]["gpus"]

@@ -25,7 +25,7 @@ from .bars import parse_resource, prefetchable_64bit_total
 from .bdf import canonical_bdf, slot_of
 from .model import FabricDevice, Gpu, Inventory
 from .nvml import NvmlApi, NvmlGpu, NvmlReport, read_nvml
-from .processes import device_node_holders, nvidia_minors, process_name
+from .processes import device_node_holders, drm_nodes, nvidia_minors, process_name
 from .sysfs import PciFunction, scan_pci
 
 NVIDIA = pci_ids.NVIDIA_VENDOR_ID
@@ -74,10 +74,13 @@ def _name(function: PciFunction, nvml_name: str | None) -> str | None:
 
 
 def _host_holders(gpus: list[PciFunction], proc_root: str) -> dict[str, set[int]]:
-    """PIDs holding each nvidia-driven GPU's /dev/nvidiaN open."""
+    """PIDs holding each GPU open: its /dev/nvidiaN (nvidia driver) and its /dev/dri nodes."""
     minors = nvidia_minors((gpu.bdf for gpu in gpus if gpu.driver == NVIDIA_DRIVER), proc_root)
-    by_node = device_node_holders((f"/dev/nvidia{minor}" for minor in minors.values()), proc_root)
-    return {bdf: by_node[f"/dev/nvidia{minor}"] for bdf, minor in minors.items()}
+    nodes = {gpu.bdf: drm_nodes(gpu.sys_path) for gpu in gpus if gpu.driver}
+    for bdf, minor in minors.items():
+        nodes[bdf].append(f"/dev/nvidia{minor}")
+    by_node = device_node_holders((node for names in nodes.values() for node in names), proc_root)
+    return {bdf: set().union(*(by_node[node] for node in names)) for bdf, names in nodes.items()}
 
 
 class _Host:

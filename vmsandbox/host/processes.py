@@ -1,9 +1,11 @@
-"""Host processes holding a GPU open through ``/dev/nvidiaN``.
+"""Host processes holding a GPU open through its device nodes.
 
-The nvidia driver names each GPU's node by its minor number, which it publishes in
-``/proc/driver/nvidia/gpus/<bdf>/information`` ("Device Minor: N"). A process holds the GPU
-when one of its ``/proc/<pid>/fd`` links points at that node. Entries that vanish or cannot
-be read (other users' processes when not root) are skipped quietly.
+The nvidia driver names each GPU's node ``/dev/nvidiaN`` by its minor number, which it publishes
+in ``/proc/driver/nvidia/gpus/<bdf>/information`` ("Device Minor: N"). A GPU on a DRM driver
+(radeon, amdgpu, nouveau, and nvidia-drm beside nvidia) also has ``/dev/dri/cardN`` and
+``/dev/dri/renderDN`` nodes, listed under the PCI device's ``drm/`` folder in sysfs. A process
+holds the GPU when one of its ``/proc/<pid>/fd`` links points at one of its nodes. Entries that
+vanish or cannot be read (other users' processes when not root) are skipped quietly.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ def nvidia_minors(bdfs: Iterable[str], proc_root: str = "/proc") -> dict[str, in
         except (OSError, ValueError):
             continue
     return minors
+
+
+def drm_nodes(sys_path: str) -> list[str]:
+    """``/dev/dri`` nodes of the PCI device at ``sys_path`` (none when no DRM driver has it)."""
+    try:
+        names = sorted(os.listdir(os.path.join(sys_path, "drm")))
+    except OSError:
+        return []
+    return [f"/dev/dri/{name}" for name in names if name.startswith(("card", "renderD"))]
 
 
 def device_node_holders(nodes: Iterable[str], proc_root: str = "/proc") -> dict[str, set[int]]:

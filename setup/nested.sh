@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# The nested GPU host: an L1 guest with an emulated Intel IOMMU and two emulated ati-vga cards, in
+# which vmsandbox's GPU path runs on real VFIO (see README, "The nested GPU host").
+#
+#   setup/nested.sh start             build the image if needed, boot L1 (or reuse the running
+#                                     one), copy this checkout's vmsandbox in, wait for
+#                                     `vmsandbox gpus` to answer inside
+#   setup/nested.sh exec -- CMD...    run CMD as root inside, vmsandbox on PATH; stdout, stderr
+#                                     and the exit status pass through
+#   setup/nested.sh stop              power L1 off and remove what start made (not the image)
+#
+# Environment: PYTHON (default .venv/bin/python) runs vmsandbox here for the image builds;
+# VMSANDBOX_NESTED_DIR (default /var/tmp/vmsandbox-nested) holds the running host's files;
+# VMSANDBOX_NESTED_CPUS (default 2), VMSANDBOX_NESTED_MEMORY_MIB (default 3072) and
+# VMSANDBOX_NESTED_BOOT_TIMEOUT (default 900 s). L1 is a plain QEMU process under TCG in a
+# session of its own; its SSH is forwarded to 127.0.0.1 only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-.venv/bin/python}"
+STATE="${VMSANDBOX_NESTED_DIR:-/var/tmp/vmsandbox-nested}"
+MEMORY_MIB="${VMSANDBOX_NESTED_MEMORY_MIB:-3072}"
+CPUS="${VMSANDBOX_NESTED_CPUS:-2}"
+BOOT_TIMEOUT="${VMSANDBOX_NESTED_BOOT_TIMEOUT:-900}"
+# No KVM in L1, so L2 guests run under TCG inside it. With kvm_amd on L1's emulated SVM, QEMU
+# aborts L1 while a UEFI (OVMF) L2 boots: "tcg_handle_interrupt: assertion failed: (bql_locked())"
+# -- its CR8-write helper raises the nested guest's virtual interrupt without the big QEMU lock.
+# Seen with bookworm's QEMU 7.2 (4 of 6 GPU creates) and with QEMU 10.0.2 from
+# bookworm-backports (2 of 2); an L2 without GPU (direct kernel boot, no OVMF) booted fine on KVM.
+# `-cpu max,svm=off` is no way out: L1's systemd then fails to write its root filesystem (EINVAL).
+NO_KVM="modprobe.blacklist=kvm_amd"
+QEMU=/usr/bin/qemu-system-x86_64
+# The two cards: an RV100 (Radeon 7000, 1002:5159, which radeon drives) and a Rage 128 Pro
+# (1002:5046, which no driver of the generic kernel binds by default), in slots of their own so
+# each is alone in its IOMMU group.
+CARDS=(-device ati-vga,model=rv100,bus=pcie.0,addr=0x5 -device ati-vga,model=rage128p,bus=pcie.0,addr=0x6)
+
+say() { printf '[nested] %s\n' "$*" >&2; }
+die() { say "$*"; exit 1; }
+
+running() { [ -f "$STATE/qemu.pid" ] && kill -0 "$(cat "$STATE/qemu.pid")" 2>/dev/null; }
+
+ssh_l1() {
+  ssh -q -T -p "$(cat "$STATE/port")" -i "$STATE/id_ed25519" \
+    -o UserKnownHostsFile="$STATE/known_hosts" -o StrictHostKeyChecking=yes \
+    -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=8 \
+    -o LogLevel=ERROR root@127.0.0.1 "$@"
+}
+
+# Absolute build folder of image $1 in the host's image store (the current build).
+image_path() {
+  "$PYTHON" -m vmsandbox.cli images list --json | "$PYTHON" -c '
+import json, sys
+found = [i["path"] for i in json.load(sys.stdin)["images"] if i["name"] == sys.argv[1]]
+print(found[0] if found else "")' "$1"
+}
+
+# Free TCP port on 127.0.0.1 for L1's SSH.
+free_port() {
+  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# The disk L1 mounts at /srv/nested: this start's SSH keys and the host's minimal image, whose
+# build folder becomes L1's image store (vmsandbox in L1 creates L2 guests from it).
+make_data_disk() {
+  local minimal="$1" stage="$STATE/data"
+  rm -rf "$stage"
+  mkdir -p "$stage/ssh" "$stage/images/minimal"
+  chmod 0755 "$stage" "$stage/images" "$stage/images/minimal"  # the filesystem's root takes these
+  chmod 0700 "$stage/ssh"
+  cp "$STATE/host_ed25519_key" "$stage/ssh/host_ed25519_key"
+  cp "$STATE/id_ed25519.pub" "$stage/ssh/authorized_keys"
+  chmod 0600 "$stage/ssh/"*
+  # hard links where the store shares a filesystem with $STATE, copies where not
+  cp -al "$minimal" "$stage/images/minimal/" 2>/dev/null || cp -a "$minimal" "$stage/images/minimal/"
+  ln -s "$(basename "$minimal")" "$stage/images/minimal/current"
+  local used_mib
+  used_mib=$(du -sm "$stage" | cut -f1)
+  mkfs.ext4 -q -F -L nested -d "$stage" "$STATE/data.img" "$((used_mib * 12 / 10 + 256))M" >&2
+  rm -rf "$stage"
+}
+
+# The checkout's package, the templates it reads from beside it and the tests' crash entry
+# point (tests/crash_cli.py, for the kill-at-each-stage tests), replacing the last copy.
+sync_code() {
+  tar -C "$PWD" --exclude=__pycache__ -cf - vmsandbox templates tests/crash_cli.py \
+    | ssh_l1 'cd /opt/vmsandbox/src && rm -rf vmsandbox templates tests && tar -xf -'
+}
+
+# Wait until CMD... succeeds in L1 (L1 must stay up, within the boot timeout).
+wait_for() {
+  local deadline=$((SECONDS + BOOT_TIMEOUT))
+  until ssh_l1 "$@" >/dev/null 2>&1; do
+    running || { tail -n 40 "$STATE/console.log" "$STATE/qemu.log" >&2 || true; die "L1 exited (console and QEMU log above)"; }
+    [ "$SECONDS" -lt "$deadline" ] || {
+      tail -n 40 "$STATE/console.log" >&2 || true
+      die "'$*' did not succeed in L1 within ${BOOT_TIMEOUT}s (console above)"
+    }
+    sleep 5
+  done
+}
+
+boot() {
+  [ "$(id -u)" = 0 ] || die "run as root (the image builds write /var/lib/vmsandbox)"
+  say "building the images if needed (minimal, nested)"
+  "$PYTHON" -m vmsandbox.cli images build minimal >&2
+  "$PYTHON" -m vmsandbox.cli images build nested >&2
+  local nested minimal
+  nested=$(image_path nested)
+  minimal=$(image_path minimal)
+  [ -n "$nested" ] && [ -n "$minimal" ] || die "image nested or minimal is missing after the build"
+
+  rm -rf "$STATE"
+  mkdir -p "$STATE"
+  chmod 0700 "$STATE"
+  ssh-keygen -q -t ed25519 -N '' -C vmsandbox-nested -f "$STATE/id_ed25519"
+  ssh-keygen -q -t ed25519 -N '' -C vmsandbox-nested-host -f "$STATE/host_ed25519_key"
+  free_port > "$STATE/port"
+  printf '[127.0.0.1]:%s %s\n' "$(cat "$STATE/port")" "$(cut -d' ' -f1,2 "$STATE/host_ed25519_key.pub")" \
+    > "$STATE/known_hosts"
+  say "making L1's disks in $STATE"
+  make_data_disk "$minimal"
+  qemu-img create -q -f qcow2 -F qcow2 -b "$nested/disk.qcow2" "$STATE/l1.qcow2" 8G
+
+  say "booting L1 (TCG, $CPUS vCPU(s), ${MEMORY_MIB} MiB, SSH on 127.0.0.1:$(cat "$STATE/port"))"
+  setsid "$QEMU" -name vmsandbox-nested -nodefaults -machine q35 -accel tcg,thread=multi -cpu max \
+    -smp "$CPUS" -m "$MEMORY_MIB" \
+    -device intel-iommu,intremap=on,caching-mode=on \
+    -vga std "${CARDS[@]}" \
+    -kernel "$nested/vmlinuz" -initrd "$nested/initrd.img" \
+    -append "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 intel_iommu=on $NO_KVM" \
+    -drive "file=$STATE/l1.qcow2,if=virtio,format=qcow2" \
+    -drive "file=$STATE/data.img,if=virtio,format=raw" \
+    -netdev "user,id=n0,hostfwd=tcp:127.0.0.1:$(cat "$STATE/port")-:22" \
+    -device virtio-net-pci,netdev=n0 -device virtio-rng-pci \
+    -display none -serial "file:$STATE/console.log" -pidfile "$STATE/qemu.pid" \
+    </dev/null >"$STATE/qemu.log" 2>&1 9>&- &  # QEMU must not keep start's lock
+  # in a session of its own, so it outlives this script; its errors stay in qemu.log
+  for _ in $(seq 1 100); do [ -s "$STATE/qemu.pid" ] && break; sleep 0.1; done
+  running || { cat "$STATE/qemu.log" >&2; die "QEMU did not start (its log above)"; }
+}
+
+cmd_start() {
+  mkdir -p "$(dirname "$STATE")"
+  exec 9>"$STATE.lock"
+  flock 9
+  local started=$SECONDS
+  if running && ssh_l1 true 2>/dev/null; then
+    say "reusing the running L1 (pid $(cat "$STATE/qemu.pid"))"
+  else
+    if running; then kill "$(cat "$STATE/qemu.pid")"; fi
+    boot
+  fi
+  wait_for true
+  say "copying vmsandbox from $PWD into L1"
+  sync_code
+  wait_for vmsandbox gpus
+  ssh_l1 vmsandbox gpus
+  say "L1 ready in $((SECONDS - started)) s"
+}
+
+cmd_exec() {
+  [ "${1:-}" = "--" ] && shift
+  [ $# -gt 0 ] || die "usage: setup/nested.sh exec -- CMD..."
+  running || die "no nested host runs; run setup/nested.sh start"
+  local quoted
+  quoted=$(printf '%q ' "$@")
+  ssh_l1 "export PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin; $quoted"
+}
+
+cmd_stop() {
+  if running; then
+    local pid
+    pid=$(cat "$STATE/qemu.pid")
+    say "powering L1 off (pid $pid)"
+    kill "$pid"
+    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid"; fi
+  fi
+  rm -rf "$STATE" "$STATE.lock"
+}
+
+case "${1:-}" in
+  start) cmd_start ;;
+  exec) shift; cmd_exec "$@" ;;
+  stop) cmd_stop ;;
+  *) die "usage: setup/nested.sh start | exec -- CMD... | stop" ;;
+esac
