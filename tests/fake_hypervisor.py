@@ -3,13 +3,17 @@ running flag; failures are injected per operation. The end-to-end tests use the 
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lxml import etree
 
 from vmsandbox import domain as domain_xml
+from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, NotFound
 from vmsandbox.hypervisor import Stored
 
@@ -112,3 +116,27 @@ def refuse(message: str) -> Callable[[str], None]:
         raise FailedPrecondition(message)
 
     return hook
+
+
+IMAGE_ID = "00000000000000aa"
+
+
+def unit_config(tmp_path: Path, **overrides: object) -> Config:
+    """A config for manager unit tests on the fake hypervisor: a state directory and an image
+    store holding one 16 MiB qcow2 image, ``tiny``."""
+    build = tmp_path / "images" / "tiny" / IMAGE_ID
+    build.mkdir(parents=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", str(build / "disk.qcow2"), "16M"], check=True
+    )
+    meta = {"kind": "import", "name": "tiny", "id": IMAGE_ID, "virtual_size": 16 * 2**20}
+    (build / "meta.json").write_text(json.dumps(meta))
+    (build.parent / "current").symlink_to(IMAGE_ID)
+    return Config.load(
+        path="/nonexistent",
+        uri="test:///fake",
+        state_dir=tmp_path / "state",
+        image_dir=tmp_path / "images",
+        virt_type="qemu",
+        **overrides,
+    )

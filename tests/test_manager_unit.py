@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fake_hypervisor import FakeHypervisor, refuse
+from fake_hypervisor import FakeHypervisor, refuse, unit_config
 from test_seed import read_iso
 
 from vmsandbox import lifecycle
@@ -34,27 +34,11 @@ from vmsandbox.record import SCHEMA_VERSION, SandboxFiles, SandboxRecord
 from vmsandbox.spec import SandboxSpec
 from vmsandbox.verify import VerificationReport
 
-IMAGE_ID = "00000000000000aa"
-
 
 @pytest.fixture
 def config(tmp_path: Path) -> Config:
     """A state directory and an image store holding one 16 MiB qcow2 image, ``tiny``."""
-    build = tmp_path / "images" / "tiny" / IMAGE_ID
-    build.mkdir(parents=True)
-    subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", str(build / "disk.qcow2"), "16M"], check=True
-    )
-    meta = {"kind": "import", "name": "tiny", "id": IMAGE_ID, "virtual_size": 16 * 2**20}
-    (build / "meta.json").write_text(json.dumps(meta))
-    (build.parent / "current").symlink_to(IMAGE_ID)
-    return Config.load(
-        path="/nonexistent",
-        uri="test:///fake",
-        state_dir=tmp_path / "state",
-        image_dir=tmp_path / "images",
-        virt_type="qemu",
-    )
+    return unit_config(tmp_path)
 
 
 @pytest.fixture

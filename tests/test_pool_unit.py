@@ -7,13 +7,11 @@ real guests for the rest.
 
 from __future__ import annotations
 
-import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_hypervisor import FakeHypervisor
+from fake_hypervisor import FakeHypervisor, unit_config
 
 from vmsandbox import lifecycle, warmpool
 from vmsandbox.config import Config
@@ -23,29 +21,13 @@ from vmsandbox.pool import PoolShape, parse_table
 from vmsandbox.record import names_domain
 from vmsandbox.spec import SandboxSpec
 
-IMAGE_ID = "00000000000000aa"
 SHAPE = {"image": "tiny", "memory_mib": 256, "disk_gib": 1, "count": 1}
 
 
 @pytest.fixture
 def config(tmp_path: Path) -> Config:
     """A state directory, an image store holding ``tiny``, and a pool of one ``tiny`` guest."""
-    build = tmp_path / "images" / "tiny" / IMAGE_ID
-    build.mkdir(parents=True)
-    subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", str(build / "disk.qcow2"), "16M"], check=True
-    )
-    meta = {"kind": "import", "name": "tiny", "id": IMAGE_ID, "virtual_size": 16 * 2**20}
-    (build / "meta.json").write_text(json.dumps(meta))
-    (build.parent / "current").symlink_to(IMAGE_ID)
-    return Config.load(
-        path="/nonexistent",
-        uri="test:///fake",
-        state_dir=tmp_path / "state",
-        image_dir=tmp_path / "images",
-        virt_type="qemu",
-        pool={"small": SHAPE},
-    )
+    return unit_config(tmp_path, pool={"small": SHAPE})
 
 
 @pytest.fixture
