@@ -21,6 +21,7 @@ and what its guest receives.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -53,10 +54,8 @@ class Translated:
 
 def sandbox_name(name: str, sandbox_id: str) -> str:
     """The vmsandbox name of a gateway sandbox (see the module docstring)."""
-    try:
+    with contextlib.suppress(InvalidArgument):  # not a vmsandbox name: derive one below
         return validate_name(name)
-    except InvalidArgument:
-        pass
     if not sandbox_id and not name:
         raise InvalidArgument(
             "the request names no sandbox: give sandbox_name or sandbox_id",

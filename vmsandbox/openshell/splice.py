@@ -36,11 +36,9 @@ def splice(one: Stream, other: Stream) -> None:
 
 def _pump(source: Stream, sink: Stream) -> None:
     """Copy until ``source`` ends, then end ``sink``'s sending side."""
-    try:
+    with contextlib.suppress(OSError):  # a reset ends the copy like an orderly close
         while data := source.recv(_CHUNK):
             sink.sendall(data)
-    except OSError:
-        pass
     with contextlib.suppress(OSError, EOFError):
         if isinstance(sink, socket.socket):
             sink.shutdown(socket.SHUT_WR)
