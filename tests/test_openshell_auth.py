@@ -235,3 +235,11 @@ def test_each_revision_reads_the_time_it_knows_from_the_same_bytes(tmp_path: Pat
     assert new.DriverPlatformEvent.FromString(wire).event_time.ToMilliseconds() == (
         1_790_000_000_250
     )
+
+
+def test_a_digest_with_a_trailing_newline_is_not_a_digest():
+    stored = credential.digest(TOKEN)
+    assert credential.check(stored, "credential") == stored
+    with pytest.raises(InvalidArgument):
+        credential.check(stored + "\n", "credential")
+    assert not credential.matches(TOKEN, stored + "\n")

@@ -19,7 +19,8 @@ from vmsandbox.errors import InvalidArgument
 
 SCHEME = "hmac-sha256"
 _SALT_BYTES = 16
-_DIGEST = re.compile(rf"^{SCHEME}\$([0-9a-f]{{{2 * _SALT_BYTES}}})\$([0-9a-f]{{64}})$")
+# \Z, not $: "$" also matches before a trailing newline
+_DIGEST = re.compile(rf"^{SCHEME}\$([0-9a-f]{{{2 * _SALT_BYTES}}})\$([0-9a-f]{{64}})\Z")
 
 
 def digest(secret: str) -> str:
