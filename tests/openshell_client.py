@@ -1,24 +1,34 @@
-"""Test helpers for the OpenShell driver: a served ``vmsandbox serve`` process, a client built
-from the project's proto, a watch-stream reader, and a port of the gateway's phase derivation
-(NVIDIA/OpenShell crates/openshell-server/src/compute/mod.rs, ``derive_phase``, at 2f7fb65)."""
+"""Test helpers for the OpenShell driver: a served ``vmsandbox serve`` process, the driver served
+in this process over a fake hypervisor, a client built from the project's proto, the checks a
+gateway makes of the capabilities, a watch-stream reader, and a port of the gateway's phase
+derivation (NVIDIA/OpenShell crates/openshell-server/src/compute/mod.rs, ``derive_phase``, at
+2f7fb65)."""
 
 from __future__ import annotations
 
 import contextlib
 import queue
+import shutil
 import signal
 import socketserver
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
+from fake_hypervisor import FakeHypervisor
 
+from vmsandbox.config import Config
+from vmsandbox.manager import SandboxManager
+from vmsandbox.openshell.events import DomainEvent
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
+from vmsandbox.openshell.service import ComputeDriver
 
 _TRANSIENT = {
     "reconcilererror",
@@ -49,6 +59,21 @@ def phase(sandbox: pb.DriverSandbox) -> str:
                 return "Provisioning" if condition.reason.lower() in _TRANSIENT else "Error"
             return "Provisioning"
     return "Provisioning"
+
+
+def check_capabilities(caps: pb.GetCapabilitiesResponse, *, supervised: bool) -> None:
+    """What a gateway reads from GetCapabilities, as vmsandbox must answer it."""
+    assert (caps.driver_name, caps.default_image, caps.gateway_manages_lifecycle) == (
+        "vmsandbox",
+        "minimal",
+        False,
+    )
+    assert caps.supports_sandbox_authentication is True
+    # with a supervisor the gateway also waits for its callback; without one vmsandbox decides
+    assert caps.driver_reports_runtime_readiness is (not supervised)
+    resources = caps.resource_capabilities
+    assert resources.cpu.limit_supported and resources.memory.limit_supported
+    assert resources.gpu.default_selection_supported and resources.gpu.count_selection_supported
 
 
 def stub(socket_path: Path) -> tuple[grpc.Channel, pb_grpc.ComputeDriverStub]:
@@ -101,6 +126,41 @@ def _wait_answering(socket_path: Path, process: subprocess.Popen[str], log: Path
                 client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=10)
                 return
         time.sleep(0.2)
+
+
+class Unwatched:
+    """The event source of a driver no test watches: its queues never fill. (The real one,
+    ``DomainEvents``, registers libvirt's event loop for the whole process, which would turn
+    on keepalive for every other libvirt connection of the test run.)"""
+
+    def subscribe(self) -> queue.Queue[DomainEvent]:
+        return queue.Queue()
+
+    def unsubscribe(self, events: queue.Queue[DomainEvent]) -> None:
+        """Nothing to drop."""
+
+
+@contextlib.contextmanager
+def in_process(config: Config, hypervisor: FakeHypervisor) -> Iterator[Path]:
+    """The driver served in this process on a Unix socket (the path is yielded), its managers
+    over ``hypervisor``; no peer check, no libvirt events."""
+    folder = Path(tempfile.mkdtemp(prefix="vmsbx-os-"))  # short: a socket path has 108 bytes
+    socket_path = folder / "driver.sock"
+    driver = ComputeDriver(
+        config,
+        Unwatched(),
+        manager=lambda: SandboxManager(config, hypervisor=hypervisor, reconcile=False),
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_ComputeDriverServicer_to_server(driver, server)
+    server.add_insecure_port(f"unix:{socket_path}")
+    server.start()
+    try:
+        yield socket_path
+    finally:
+        server.stop(None).wait()
+        driver.close()
+        shutil.rmtree(folder)
 
 
 class Watch:

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from conftest import REPO, cli_env, leftovers
 from conftest_host import umockdev_run
-from openshell_client import LineGateway, Watch, phase, serving, stub
+from openshell_client import LineGateway, Watch, check_capabilities, phase, serving, stub
 
 from vmsandbox.config import Config
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
@@ -60,11 +60,8 @@ def test_socket_is_private_to_its_user(socket_path: Path):
 
 
 def test_capabilities_and_no_listener_requirements(client):
-    caps = client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30)
-    assert (caps.driver_name, caps.default_image, caps.gateway_manages_lifecycle) == (
-        "vmsandbox",
-        "minimal",
-        False,
+    check_capabilities(
+        client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30), supervised=False
     )
     listeners = client.GetGatewayListenerRequirements(
         pb.GetGatewayListenerRequirementsRequest(), timeout=30
@@ -275,6 +272,21 @@ def supervised(config: Config) -> Iterator[tuple[Path, LineGateway]]:
             yield path, gateway
     finally:
         gateway.close()
+
+
+def test_with_a_supervisor_the_gateway_waits_for_its_callback_on_loopback(
+    supervised: tuple[Path, LineGateway],
+):
+    socket_path, _gateway = supervised
+    channel, client = stub(socket_path)
+    with channel:
+        caps = client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30)
+        check_capabilities(caps, supervised=True)
+        listeners = client.GetGatewayListenerRequirements(
+            pb.GetGatewayListenerRequirementsRequest(), timeout=30
+        )
+    (listener,) = listeners.requirements
+    assert listener.WhichOneof("selector") == "loopback_interface"
 
 
 @pytest.mark.e2e

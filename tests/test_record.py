@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from vmsandbox import credential
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.record import SCHEMA_VERSION, GpuRecord, SandboxRecord
 
@@ -87,4 +88,14 @@ def test_a_version_3_record_reads_unclaimed_and_a_claim_round_trips() -> None:
     claimed = SandboxRecord.from_dict({**old.to_dict(), "guest": "pool-1234abcd"})
     assert (claimed.stem, claimed.domain) == ("pool-1234abcd", "vmsbx-pool-1234abcd")
     assert SandboxRecord.from_dict(claimed.to_dict()) == claimed
-    assert claimed.to_dict()["version"] == SCHEMA_VERSION == 4
+    assert claimed.to_dict()["version"] == SCHEMA_VERSION == 5
+
+
+def test_a_version_4_record_reads_without_a_credential_and_version_5_keeps_its_digest() -> None:
+    """Version 5 adds ``credential``, the salted digest of the OpenShell sandbox token."""
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 4, "guest": None})
+    assert old.credential is None and old.to_dict()["credential"] is None
+    stored = credential.digest("eyJ0eXAiOiJKV1QifQ.record.signature")
+    new = SandboxRecord.from_dict({**old.to_dict(), "credential": stored})
+    assert new.credential == stored and SandboxRecord.from_dict(new.to_dict()) == new
+    assert new.to_dict()["version"] == SCHEMA_VERSION

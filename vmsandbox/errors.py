@@ -64,6 +64,13 @@ class DeadlineExceeded(VmSandboxError):
     code = "DEADLINE_EXCEEDED"
 
 
+class Unauthenticated(VmSandboxError):
+    """A credential identifies no sandbox (gRPC code 16). Only the OpenShell driver's
+    AuthenticateSandbox raises it; its message never repeats the credential."""
+
+    code = "UNAUTHENTICATED"
+
+
 class Internal(VmSandboxError):
     code = "INTERNAL"
 
@@ -80,5 +87,6 @@ ALL_CODES = (
     "ALREADY_EXISTS",
     "UNAVAILABLE",
     "DEADLINE_EXCEEDED",
+    "UNAUTHENTICATED",
     "INTERNAL",
 )

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
-from vmsandbox import guest, lifecycle, power, virt
+from vmsandbox import credential, guest, lifecycle, power, virt
 from vmsandbox import plan as planner
 from vmsandbox.boot import check_timeout
 from vmsandbox.config import Config
@@ -246,6 +246,14 @@ class SandboxManager:
             (self.store.view(r, s) for r, s in self.store.all() if not is_pool_guest(r)),
             key=lambda sandbox: sandbox.name,
         )
+
+    def holder(self, secret: str) -> Sandbox | None:
+        """The sandbox whose recorded credential ``secret`` matches (credential.py, each record
+        compared in constant time); None when none does."""
+        for record, state in self.store.all():
+            if record.credential and credential.matches(secret, record.credential):
+                return self.store.view(record, state)
+        return None
 
     # -- use ----------------------------------------------------------------------------------
 

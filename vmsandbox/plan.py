@@ -105,6 +105,7 @@ def plan(
         created_at=created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         creator=creator,
         labels=dict(spec.labels),
+        credential=spec.credential,
         gpus=tuple(GpuRecord.of(gpu) for gpu in gpus),
         fabric_partition=partition.id if partition else None,
         switches=tuple(switches),

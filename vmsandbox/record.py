@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 # 3: ``failure`` and ``starter`` (stop/start and readiness of the OpenShell driver).
 # 4: ``guest``, the pooled guest a sandbox was claimed from (state ``pooled``, pool.py).
-SCHEMA_VERSION = 4
+# 5: ``credential``, the salted digest of a secret the guest holds (credential.py).
+SCHEMA_VERSION = 5
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
@@ -131,6 +132,9 @@ class SandboxRecord:
     # The pooled guest this sandbox was claimed from: its domain and files keep that guest's
     # name (libvirt cannot rename a running domain). None: domain and files carry ``name``.
     guest: str | None = None
+    # The salted digest of a secret the guest holds (the OpenShell sandbox token), by which
+    # the driver's AuthenticateSandbox recognises the sandbox; never the secret itself.
+    credential: str | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -173,13 +177,15 @@ class SandboxRecord:
             "failure": dict(self.failure) if self.failure else None,
             "starter": self.starter.to_dict() if self.starter else None,
             "guest": self.guest,
+            "credential": self.credential,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SandboxRecord:
         """Read a stored record; version 1 (no ``version`` key) fills what it lacked, and so do
         records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``),
-        version 2 (no ``failure``, no ``starter``) and version 3 (no ``guest``).
+        version 2 (no ``failure``, no ``starter``), version 3 (no ``guest``) and version 4 (no
+        ``credential``).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -225,6 +231,7 @@ class SandboxRecord:
             ),
             starter=ProcessIdentity.from_dict(starter) if isinstance(starter, dict) else None,
             guest=str(data["guest"]) if data.get("guest") else None,
+            credential=str(data["credential"]) if data.get("credential") else None,
             version=SCHEMA_VERSION,
         )
 

@@ -10,6 +10,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from vmsandbox.credential import check as check_credential
 from vmsandbox.errors import InvalidArgument
 from vmsandbox.gpuquery import GPU_VENDORS as GPU_VENDORS  # re-exported for callers
 from vmsandbox.gpuquery import (
@@ -147,6 +148,9 @@ class SandboxSpec:
     labels: dict[str, str] = field(default_factory=dict)
     # First-boot environment, files and main process; kept out of the domain and its record.
     guest: GuestSetup | None = None
+    # A salted digest (vmsandbox.credential.digest) of a secret the guest holds, kept in the
+    # record so the sandbox can be recognised by that secret; never the secret itself.
+    credential: str | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -170,6 +174,8 @@ class SandboxSpec:
                 f"guest must be a GuestSetup or None, got {type(self.guest).__name__}",
                 details={"field": "guest"},
             )
+        if self.credential is not None:
+            check_credential(self.credential, "credential")
         if not isinstance(self.labels, dict):
             raise InvalidArgument(
                 f"labels must map strings to strings, got {type(self.labels).__name__}",

@@ -64,7 +64,8 @@ def _pooled(c: lifecycle.Creation) -> None:
 
 def _claim(c: lifecycle.Creation) -> None:
     """Take a ready pooled guest of the spec's shape and make it this sandbox: its record gets
-    the sandbox's name, labels and creator (state creating until the hostname is set)."""
+    the sandbox's name, labels, credential and creator (state creating until the hostname is
+    set)."""
     found = c.take_pooled()
     if found is None:
         raise NoPooledGuest(c.spec.image)
@@ -74,6 +75,7 @@ def _claim(c: lifecycle.Creation) -> None:
         name=c.name,
         guest=found.stem,
         labels=dict(c.spec.labels),
+        credential=c.spec.credential,
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         creator=ProcessIdentity.current(),
     )

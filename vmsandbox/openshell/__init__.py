@@ -4,6 +4,7 @@ SandboxManager.
 
 Modules: ``quantity`` (Kubernetes CPU/memory quantities), ``request`` (a DriverSandbox into a
 SandboxSpec and what the guest receives), ``status`` (a sandbox into its DriverSandbox snapshot),
+``transitions`` (when each condition last changed, in both revisions' time fields),
 ``events`` (libvirt lifecycle events fanned out to watchers), ``service`` (the RPCs),
 ``supervisor`` (the optional openshell-sandbox in every guest), ``tunnel`` (its SSH way back to
 the gateway), ``socket`` (the socket, its modes and the peer check), ``splice`` (the two-way

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 import libvirt
 
@@ -37,6 +38,15 @@ class DomainEvent:
 
     name: str | None
     gone: bool = False
+
+
+class EventSource(Protocol):
+    """What the compute-driver service needs of ``DomainEvents``: a queue of events per watch
+    stream (the unit tests, which open no watch, hand in one that never fills)."""
+
+    def subscribe(self) -> queue.Queue[DomainEvent]: ...
+
+    def unsubscribe(self, events: queue.Queue[DomainEvent]) -> None: ...
 
 
 def _ensure_loop() -> None:

@@ -15,6 +15,8 @@ and what its guest receives.
   and OPENSHELL_LOG_LEVEL; the sandbox token written 0600 to TOKEN_PATH (named by
   OPENSHELL_SANDBOX_TOKEN_FILE), never put in the environment; ``command`` as the main process.
   ``tty`` has no meaning without the supervisor and is ignored.
+- Credential: a salted digest of the sandbox token (``vmsandbox.credential``) goes into the
+  record, so AuthenticateSandbox can tell which sandbox holds a token; the token does not.
 - With a supervisor (``vmsandbox.openshell.supervisor``), the guest also gets the supervisor,
   and the command goes to it (OPENSHELL_MAIN_PROCESS_SPEC) instead of a vmsandbox unit.
 """
@@ -28,6 +30,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from vmsandbox import credential
 from vmsandbox.compat import openshell as compat
 from vmsandbox.errors import InvalidArgument
 from vmsandbox.guestsetup import GuestFile, GuestSetup, check_environment
@@ -104,6 +107,11 @@ def translate(
             gpu=compat.gpu_request(_compat_view(sandbox)),
             labels=labels,
             guest=_guest(sandbox, name, supervisor),
+            credential=(
+                credential.digest(sandbox.spec.sandbox_token)
+                if sandbox.spec.sandbox_token
+                else None
+            ),
         ),
     )
 

@@ -12,6 +12,9 @@
   (``tunnel.GatewayTunnels``).
 - EnsureWorkspace/DeleteWorkspace succeed with nothing to do: a vmsandbox host has no
   workspace-level resources.
+- AuthenticateSandbox answers the gateway id of the sandbox whose token the credential is,
+  matched against the salted digest in each record (``vmsandbox.credential``).
+- Every condition carries the time it last changed (``transitions.Transitions``).
 
 vmsandbox errors keep their code: ``err.code`` is already a gRPC status code name.
 """
@@ -29,14 +32,15 @@ import grpc
 
 import vmsandbox
 from vmsandbox.config import Config
-from vmsandbox.errors import InvalidArgument, NotFound, VmSandboxError
+from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandboxError
 from vmsandbox.manager import SandboxManager
-from vmsandbox.openshell.events import DomainEvent, DomainEvents
+from vmsandbox.openshell.events import DomainEvent, EventSource
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, sandbox_name, translate
 from vmsandbox.openshell.status import MAIN_QUERY, MainProcess, main_process, snapshot
 from vmsandbox.openshell.supervisor import Supervisor
+from vmsandbox.openshell.transitions import Transitions
 from vmsandbox.openshell.tunnel import GatewayTunnels
 from vmsandbox.record import DOMAIN_PREFIX, STATE_READY
 from vmsandbox.sandbox import Sandbox
@@ -50,9 +54,18 @@ _MAIN_QUERY_TIMEOUT = 20.0  # seconds for reading the main process's state over 
 class ComputeDriver(pb_grpc.ComputeDriverServicer):
     """The compute-driver service of one vmsandbox host."""
 
-    def __init__(self, config: Config, events: DomainEvents) -> None:
+    def __init__(
+        self,
+        config: Config,
+        events: EventSource,
+        manager: Callable[[], SandboxManager] | None = None,
+    ) -> None:
+        """``manager`` makes the SandboxManager each RPC uses (default: libvirt at
+        ``config.uri``; the unit tests hand in one over a fake hypervisor)."""
         self.config = config
         self.events = events
+        self._new_manager = manager or (lambda: SandboxManager(self.config, reconcile=False))
+        self.transitions = Transitions()
         self.supervisor = Supervisor.from_config(config)
         self.tunnels = (
             GatewayTunnels(self._manager, self.supervisor.port) if self.supervisor else None
@@ -73,7 +86,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             _abort(context, exc)
 
     def _manager(self) -> SandboxManager:
-        return SandboxManager(self.config, reconcile=False)
+        return self._new_manager()
 
     def _remember(self, sandbox: Sandbox) -> None:
         if sandbox.labels.get(ID_LABEL):
@@ -82,7 +95,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
 
     def _snapshot(self, manager: SandboxManager, sandbox: Sandbox) -> pb.DriverSandbox:
         self._remember(sandbox)
-        return snapshot(sandbox, self._main_process(manager, sandbox))
+        return self.transitions.stamp(snapshot(sandbox, self._main_process(manager, sandbox)))
 
     def _main_process(self, manager: SandboxManager, sandbox: Sandbox) -> MainProcess | None:
         """The state of a ready sandbox's main process, read over SSH; None when it has none
@@ -145,12 +158,45 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     # -- RPCs ---------------------------------------------------------------------------------
 
     def GetCapabilities(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """Readiness is vmsandbox's own (SSH answered, GPUs verified) unless a supervisor is
+        configured: the gateway then also waits for the supervisor to call back. CPU and
+        memory limits, a GPU count and a GPU request without one (vmsandbox picks) are all
+        honoured. Authentication: a sandbox's token identifies it (AuthenticateSandbox)."""
         return pb.GetCapabilitiesResponse(
             driver_name="vmsandbox",
             driver_version=vmsandbox.__version__,
             default_image=DEFAULT_IMAGE,
             gateway_manages_lifecycle=False,
+            supports_sandbox_authentication=True,
+            driver_reports_runtime_readiness=self.supervisor is None,
+            resource_capabilities=pb.ResourceCapabilities(
+                cpu=pb.CpuResourceCapabilities(limit_supported=True),
+                memory=pb.MemoryResourceCapabilities(limit_supported=True),
+                gpu=pb.GpuResourceCapabilities(
+                    default_selection_supported=True, count_selection_supported=True
+                ),
+            ),
         )
+
+    def AuthenticateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """The gateway id of the sandbox whose token ``credential`` is. The credential is a
+        secret: no message, log line or error detail repeats it."""
+
+        def authenticate() -> str:
+            if not request.credential:
+                raise InvalidArgument(
+                    "credential is empty: give the sandbox token the sandbox holds",
+                    details={"field": "credential"},
+                )
+            with self._manager() as manager:
+                found = manager.holder(request.credential)
+            sandbox_id = found.labels.get(ID_LABEL) if found is not None else None
+            if not sandbox_id:
+                raise Unauthenticated("the credential is not the token of any sandbox here")
+            return sandbox_id
+
+        sandbox_id = self._call(context, "AuthenticateSandbox", authenticate)
+        return pb.AuthenticateSandboxResponse(sandbox_id=sandbox_id)
 
     def GetGatewayListenerRequirements(self, request: Any, context: grpc.ServicerContext) -> Any:
         """With a supervisor, its guests dial the gateway through this driver's SSH tunnels,
@@ -242,6 +288,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
                     return False
                 self._remember(found)
                 manager.destroy(found.name)
+            self.transitions.forget(found.domain)
             log.info("sandbox %s deleted", found.name)
             return True
 
@@ -281,6 +328,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             yield from self._everything(context)
             return
         if event.gone:
+            self.transitions.forget(DOMAIN_PREFIX + event.name)
             with self._ids_lock:
                 sandbox_id = self._ids.get(DOMAIN_PREFIX + event.name)
             if sandbox_id:
