@@ -38,8 +38,9 @@ NESTED = REPO / "setup" / "nested.sh"
 RV100 = ("0x1002", "0x5159")
 RAGE128P = ("0x1002", "0x5046")
 # Checkpoints after the lock is taken and after create steps (lifecycle.py); the kill at "start"
-# hits a create that would wait for SSH next, its QEMU holding both cards.
-STAGES = ("locked", "overlay", "define", "start")
+# hits a create that would wait for SSH next, its QEMU holding both cards; at "wait" the guest
+# has booted with both cards and the create would verify them next.
+STAGES = ("locked", "overlay", "define", "start", "wait")
 SMALL = ("--memory", "512")  # L1 has 3 GiB; L2 needs no more to boot and show its PCI tree
 # An L2 under KVM inside a TCG L1 reaches SSH in one to two minutes here; leave room for a
 # loaded CI machine.
@@ -273,7 +274,7 @@ def test_kill_at_each_create_stage_then_reconcile_restores_everything(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    if stage == "start":
+    if stage in ("start", "wait"):
         assert set(drivers(list(cards)).values()) == {"vfio-pci"}  # the killed guest holds them
     done = vmsandbox("--json", "reconcile")
     assert done.returncode == 0, done.stderr
