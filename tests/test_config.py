@@ -34,6 +34,8 @@ def test_unknown_keys_and_bad_values_name_the_key(tmp_path: Path):
         Config.load(file)
     with pytest.raises(InvalidArgument, match="virt_type 'xen'"):
         Config.load("/nonexistent", virt_type="xen")
+    with pytest.raises(InvalidArgument, match="gpu_firmware 'efi' is not one of auto, uefi, bios"):
+        Config.load("/nonexistent", gpu_firmware="efi")
 
 
 def test_apt_sources_in_both_formats(tmp_path: Path):

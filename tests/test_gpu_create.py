@@ -24,14 +24,16 @@ def _with_testbed(config: Config, umockdev_env: dict[str, str]) -> dict[str, str
     return cli_env(config, **testbed)
 
 
-def _under(host: str, config: Config, *command: str) -> subprocess.CompletedProcess[str]:
+def _under(
+    host: str, config: Config, *command: str, **env_extra: str
+) -> subprocess.CompletedProcess[str]:
     with umockdev_run(host) as (prefix, env):
         return subprocess.run(
             [*prefix, *command],
             capture_output=True,
             text=True,
             timeout=300,
-            env=_with_testbed(config, env),
+            env={**_with_testbed(config, env), **env_extra},
             check=False,
         )
 
@@ -64,6 +66,18 @@ def test_dry_run_prints_valid_xml_and_defines_nothing(config: Config, tmp_path: 
     subprocess.run(["virt-xml-validate", str(xml), "domain"], check=True, capture_output=True)
     assert done.stdout.count("<hostdev ") == 12  # and the four NVSwitches
     assert leftovers(config, "t-dry") == []
+
+
+def test_gpu_firmware_uefi_for_large_bars_and_as_the_operator_says(config: Config):
+    dry = ("create", "t-fw", "--gpu", "--dry-run")
+    auto = _under("hgx_h100", config, *_vmsandbox(*dry))
+    assert auto.returncode == 0, auto.stderr
+    assert "<loader" in auto.stdout and "X-PciMmio64Mb" in auto.stdout  # 128 GiB BAR1: OVMF
+    bios = _under("hgx_h100", config, *_vmsandbox(*dry), VMSANDBOX_GPU_FIRMWARE="bios")
+    assert bios.returncode == 0, bios.stderr
+    assert "<loader" not in bios.stdout and "<nvram" not in bios.stdout
+    assert "X-PciMmio64Mb" not in bios.stdout and '<rom bar="off"/>' in bios.stdout
+    assert leftovers(config, "t-fw") == []
 
 
 def test_this_machine_without_gpus_says_why(config: Config):

@@ -39,7 +39,6 @@ MIB, GIB, TIB = 1 << 20, 1 << 30, 1 << 40
 STATE = Path("/var/lib/vmsandbox/sandboxes/golden")
 # Two Sapphire Rapids sockets, 56 cores each with hyper-threads, as sysfs lists them.
 HGX_CPUS = {0: parse_cpulist("0-55,112-167"), 1: parse_cpulist("56-111,168-223")}
-H100_BARS = 16 * MIB + 128 * GIB + 32 * MIB
 # name: fake host, request, virt type, vCPUs, memory in MiB
 CASES = {
     "hgx_h100_1gpu": ("hgx_h100", GpuRequest(count=1), "kvm", 8, 32768),
@@ -172,7 +171,7 @@ def test_golden_domain_defines_on_libvirtd(
     want = etree.fromstring(xml.encode())
     for path in ("memtune/hard_limit", "devices/controller[@model='pcie-root']/pcihole64"):
         assert int(defined.findtext(path)) == int(want.findtext(path))
-    assert defined.find("memoryBacking/locked") is not None
+    assert defined.find("memoryBacking/locked") is None  # VFIO pins guest RAM; no mlockall
     assert defined.find("cpu/maxphysaddr").attrib == want.find("cpu/maxphysaddr").attrib
     assert defined.find("devices/memballoon").get("model") == "none"
     args = [arg.get("value") for arg in defined.iterfind(f"{{{QEMU_NS}}}commandline/*")]
@@ -231,7 +230,7 @@ def test_golden_full_passthrough_board_passes_every_nvswitch(
     assert sources[8:] == [device.bdf for device in got.switches]
     buses = [a.get("bus") for a in root.iterfind("devices/hostdev/address")]
     assert buses == [f"0x{i:02x}" for i in range(1, 13)]
-    # the switches change neither the 64-bit window nor the locked-memory limit
+    # the switches change neither the 64-bit window nor the memory limit
     eight = etree.parse(str(GOLDEN / "hgx_h100_8gpu.xml")).getroot()
     for path in ("memtune/hard_limit", "devices/controller[@model='pcie-root']/pcihole64"):
         assert root.findtext(path) == eight.findtext(path)
@@ -315,10 +314,10 @@ def test_qemu_refuses_one_bit_less(memory_mib: int, window: int) -> None:
     assert "phys-bits too low" in result.stderr
 
 
-def test_hard_limit_counts_memory_twice_the_bars_and_qemu(hosts: dict[str, Inventory]) -> None:
+def test_hard_limit_is_guest_memory_and_qemu_not_the_bars(hosts: dict[str, Inventory]) -> None:
     [h100] = hosts["hgx_h100"].gpus[:1]
     kvm = passthrough.plan([h100], vcpus=2, memory_mib=16384, virt_type="kvm", host_cpus=None)
-    assert kvm.hard_limit_kib * 1024 == 2 * 16 * GIB + H100_BARS + 1 * GIB
+    assert kvm.hard_limit_kib * 1024 == 16 * GIB + 1 * GIB
     tcg = passthrough.plan([h100], vcpus=2, memory_mib=16384, virt_type="qemu", host_cpus=None)
     assert tcg.hard_limit_kib == kvm.hard_limit_kib + 1024 * 1024
 
@@ -478,3 +477,41 @@ def test_host_cpus_by_node_on_this_host() -> None:
     found = passthrough.host_cpus_by_node()  # the name the manager uses
     online = parse_cpulist(Path("/sys/devices/system/cpu/online").read_text())
     assert sorted(cpu for cpus in found.values() for cpu in cpus) == online
+
+
+# -- firmware ------------------------------------------------------------------------------
+
+
+def small_bar_gpu(gpu: Gpu) -> Gpu:
+    """``gpu`` with the BARs of QEMU's ati-vga (16 MiB framebuffer, 16 KiB registers)."""
+    bars = (Bar(0, 16 * MIB, False, True), Bar(2, 16 << 10, False, False))
+    return replace(gpu, bars=bars, bar_64bit_prefetchable_total=0)
+
+
+def test_auto_firmware_is_seabios_only_for_small_bars(hosts: dict[str, Inventory]) -> None:
+    h100, other = hosts["hgx_h100"].gpus[:2]
+    assert passthrough.choose_firmware([h100]) == "uefi"
+    small = [small_bar_gpu(h100), small_bar_gpu(other)]
+    assert passthrough.choose_firmware(small) == "bios"
+    assert passthrough.choose_firmware(small, "uefi") == "uefi"
+    assert passthrough.choose_firmware([h100], "bios") == "bios"
+    # the budget counts every BAR of every GPU: sixteen such cards are past it
+    assert passthrough.choose_firmware([small_bar_gpu(h100)] * 16) == "uefi"
+
+
+def test_seabios_domain_has_no_ovmf_settings_and_no_option_roms(
+    hosts: dict[str, Inventory], schema: etree.RelaxNG, conn: libvirt.virConnect
+) -> None:
+    gpus = [small_bar_gpu(gpu) for gpu in hosts["hgx_h100"].gpus[:2]]
+    plan = passthrough.plan(gpus, vcpus=2, memory_mib=2048, virt_type="kvm", host_cpus=None)
+    assert plan.firmware == "bios"
+    domain = replace(domain_plan("seabios", "kvm", 2, 2048), uefi=False, nvram=None, ovmf_code=None)
+    domain.extra.append(partial(passthrough.apply, plan=plan))
+    root = etree.fromstring(build_domain_xml(domain).encode())
+    assert schema.validate(root), schema.error_log
+    assert root.find("os/loader") is None
+    assert passthrough.FW_CFG_MMIO64 not in etree.tostring(root, encoding="unicode")
+    hostdevs = root.findall("devices/hostdev")
+    assert [h.find("rom").get("bar") for h in hostdevs] == ["off"] * len(hostdevs)
+    defined = define_and_undefine(conn, etree.tostring(root, encoding="unicode"))
+    assert [h.find("rom").get("bar") for h in defined.findall("devices/hostdev")] == ["off"] * 2

@@ -3,9 +3,10 @@
 File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Environment variables
 override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
 ``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
-``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS`` (comma-separated), and for
-NVSwitch boards ``VMSANDBOX_FMPM``, ``VMSANDBOX_FM_UNIX_SOCKET``, ``VMSANDBOX_FM_HOSTNAME``,
-``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``, ``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
+``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_GPU_FIRMWARE``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS``
+(comma-separated), and for NVSwitch boards ``VMSANDBOX_FMPM``, ``VMSANDBOX_FM_UNIX_SOCKET``,
+``VMSANDBOX_FM_HOSTNAME``, ``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``,
+``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vmsandbox.errors import InvalidArgument
 from vmsandbox.pool import PoolShape, parse_table
 
 DEFAULT_CONFIG_FILE = "/etc/vmsandbox/config.toml"
+GPU_FIRMWARE = ("auto", "uefi", "bios")
 
 _ENV = {
     "uri": "VMSANDBOX_URI",
@@ -37,6 +39,7 @@ _ENV = {
     "fm_version": "VMSANDBOX_FM_VERSION",
     "fabric_manager_config": "VMSANDBOX_FABRIC_MANAGER_CONFIG",
     "probe_qemu": "VMSANDBOX_PROBE_QEMU",
+    "gpu_firmware": "VMSANDBOX_GPU_FIRMWARE",
 }
 _PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config")
 
@@ -64,6 +67,9 @@ class Config:
     max_gpus: int = 16
     # Pin vCPUs to the host CPUs of the GPUs' NUMA node when a sandbox has GPUs.
     numa_pinning: bool = True
+    # Firmware of GPU sandboxes: "uefi" (OVMF, which maps large 64-bit BARs), "bios"
+    # (SeaBIOS), or "auto": SeaBIOS for GPUs whose BARs are all small (passthrough.firmware).
+    gpu_firmware: str = "auto"
     ovmf_code: Path = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
     ovmf_vars: Path = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
     # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver socket.
@@ -170,6 +176,11 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
     if config.virt_type not in ("auto", "kvm", "qemu"):
         raise InvalidArgument(
             f"config virt_type {config.virt_type!r} is not one of auto, kvm, qemu"
+        )
+    if config.gpu_firmware not in GPU_FIRMWARE:
+        raise InvalidArgument(
+            f"config gpu_firmware {config.gpu_firmware!r} is not one of {', '.join(GPU_FIRMWARE)}",
+            details={"field": "gpu_firmware", "value": config.gpu_firmware},
         )
     for shape in config.pool:
         for what, value, cap in (

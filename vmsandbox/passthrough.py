@@ -17,7 +17,7 @@ What ``apply`` adds, and why:
   itself), each NVSwitch is one more ``<hostdev>`` behind a root port of its own, after the
   GPUs': FM inside the guest finds them as PCI endpoints, as on bare metal. Their BARs are
   small (32 MiB, not prefetchable) and sit in the 32-bit window, so they change neither the
-  64-bit window nor the locked-memory limit (``QEMU_OVERHEAD`` covers them).
+  64-bit window nor the memory limit (``QEMU_OVERHEAD`` covers them).
 - A 64-bit MMIO window big enough for the GPUs' 64-bit prefetchable BARs and the padding
   OVMF gives the other root ports (``mmio64_window``). OVMF reserves 32 GiB for 64-bit BARs
   unless told otherwise, far too little for an H100's 128 GiB BAR1: it is told through the
@@ -34,9 +34,17 @@ What ``apply`` adds, and why:
   that model named, plus 1 GiB pages (``pdpe1gb``): without them OVMF left every BAR
   unassigned once the aperture reached 1 TiB (seen with edk2 2022.11 under TCG), with them a
   2 TiB aperture works.
-- Locked guest memory (``<memoryBacking><locked/>``) with a ``<memtune><hard_limit>``
-  (``hard_limit_kib``): VFIO pins all guest RAM for device DMA anyway, and without a hard
-  limit libvirt lifts the locked-memory limit of QEMU altogether.
+- Firmware (``firmware``): OVMF for GPUs with large BARs, because it is what the 64-bit
+  window settings above size; SeaBIOS, which GPU-less sandboxes boot too, for GPUs whose BARs
+  together take at most ``SEABIOS_MAX_BAR_BYTES``: SeaBIOS places those in the 32-bit window
+  below 4 GiB whatever the guest's RAM, boots faster, and keeps nested guests off an OVMF path
+  that crashes QEMU 7.2-10.0 under TCG with nested SVM (README, "The nested GPU host").
+  Real data-center GPUs have a 256 MiB BAR1 at the least, so ``auto`` gives them OVMF.
+- A ``<memtune><hard_limit>`` (``hard_limit_kib``) and no ``<memoryBacking><locked/>``: VFIO
+  pins all guest RAM for device DMA anyway, and ``<locked/>`` makes QEMU mlockall, which locks
+  every later mapping too (thread stacks, malloc arenas) and counts guest RAM a second time:
+  on real VFIO (the nested host) QEMU then failed to create a thread ("Resource temporarily
+  unavailable") half a minute into the boot and crashed, its locked memory at the limit.
 - ``<memballoon model='none'>``: a balloon cannot take back pinned memory.
 - vCPUs and guest memory bound to the GPUs' NUMA node (see ``plan``).
 """
@@ -66,7 +74,7 @@ OTHER_ROOT_PORTS = 8
 OVMF_PORT_PADDING_SHIFT = 8
 # libvirt's allowance for QEMU itself under VFIO (qemuDomainGetMemLockLimitBytes).
 QEMU_OVERHEAD = 1 * GIB
-# TCG's translation cache (QEMU's default tb-size), locked like the rest of QEMU's memory.
+# TCG's translation cache (QEMU's default tb-size), charged to the domain's memory cgroup.
 TCG_CODE_BUFFER = 1 * GIB
 # What QEMU gives a guest CPU that is not host-passthrough: never ask for less.
 DEFAULT_PHYS_BITS = 40
@@ -78,6 +86,8 @@ RAM_ABOVE_4G = 4 * GIB
 RAM_ABOVE_1T = 1 * TIB
 AMD_HT_START = RAM_ABOVE_1T - 12 * GIB
 FW_CFG_MMIO64 = "opt/ovmf/X-PciMmio64Mb"
+# ``auto`` firmware: SeaBIOS when the GPUs' BARs add up to no more than this.
+SEABIOS_MAX_BAR_BYTES = 256 * MIB
 
 
 @dataclass(frozen=True)
@@ -87,11 +97,12 @@ class PassthroughPlan:
     ``slots``: per GPU, the host BDFs of its functions by function number (one guest slot
     each), then one slot per NVSwitch passed along. ``phys_bits``: the guest address width
     the window needs; written for an emulated CPU, and the least a host must have for
-    ``host-passthrough``. ``numa_node`` and
+    ``host-passthrough``. ``firmware``: "uefi" or "bios". ``numa_node`` and
     ``cpuset`` are None when the domain is not pinned, and ``unpinned_reason`` then says why.
     """
 
     slots: tuple[tuple[str, ...], ...]
+    firmware: str
     mmio64_bytes: int
     phys_bits: int
     hard_limit_kib: int
@@ -110,24 +121,20 @@ def plan(
     virt_type: str = "kvm",
     pin: bool = True,
     switches: Sequence[str] = (),
+    firmware: str = "auto",
 ) -> PassthroughPlan:
     """What a domain with ``gpus`` needs; ``vcpus``, ``memory_mib`` and ``virt_type`` are the
     DomainPlan's ``cpus``, ``memory_mib`` and ``virt_type``; ``host_cpus`` is
     ``host_cpus_by_node()``; ``switches`` the BDFs of NVSwitches that go along (full
-    passthrough of a whole board).
+    passthrough of a whole board); ``firmware`` the operator's ``gpu_firmware``.
 
-    Locked-memory limit (``hard_limit_kib``), the sum of:
-
-    - twice the guest memory: it is counted against the limit once when QEMU locks it and once
-      more when VFIO pins it for DMA (libvirt's own rule is guest memory + 1 GiB, and with
-      ``<locked/>`` and no hard limit it sets no limit at all);
-    - every BAR of the GPUs: a locked process has each new mapping checked against the limit
-      up front, the BAR mmaps VFIO makes (128 GiB for an H100's BAR1) included;
-    - ``QEMU_OVERHEAD`` (libvirt's 1 GiB, which also covers the companions' small BARs), and
-      ``TCG_CODE_BUFFER`` for a TCG domain.
-
-    The hard limit is also the domain's cgroup memory limit, which charges RAM and not BAR
-    mappings: it bounds a runaway QEMU and leaves a healthy guest room to spare.
+    Memory limit (``hard_limit_kib``): guest memory, which VFIO pins whole for device DMA, plus
+    ``QEMU_OVERHEAD`` (libvirt's own rule for VFIO domains, guest memory + 1 GiB; it also covers
+    the companions' small BARs) and ``TCG_CODE_BUFFER`` for a TCG domain. libvirt makes it both
+    QEMU's locked-memory limit, which VFIO's pinning counts against, and the domain's cgroup
+    memory limit, which charges RAM and not BAR mappings: it bounds a runaway QEMU and leaves a
+    healthy guest room to spare. The BARs stay out of it: VFIO maps them as device memory,
+    neither pinned nor counted.
 
     Pinning, when ``pin``: every vCPU (and QEMU's emulator threads) may run on any CPU of the
     GPUs' NUMA node, and guest memory comes strictly from that node, so DMA and the CPUs that
@@ -139,12 +146,12 @@ def plan(
     if not gpus:
         raise ValueError("a passthrough plan needs at least one GPU")
     window = mmio64_window(gpus)
-    bar_bytes = sum(bar.size for gpu in gpus for bar in gpu.bars)
     overhead = QEMU_OVERHEAD + (TCG_CODE_BUFFER if virt_type == "qemu" else 0)
-    hard_limit = 2 * memory_mib * MIB + bar_bytes + overhead
+    hard_limit = memory_mib * MIB + overhead
     node, unpinned = _pin_node(gpus, host_cpus, pin)
     return PassthroughPlan(
         slots=(*(_functions(gpu) for gpu in gpus), *((bdf,) for bdf in switches)),
+        firmware=choose_firmware(gpus, firmware),
         mmio64_bytes=window,
         phys_bits=phys_bits(memory_mib, window),
         hard_limit_kib=-(-hard_limit // KIB),
@@ -153,6 +160,15 @@ def plan(
         cpuset=format_cpuset(host_cpus[node]) if node is not None and host_cpus else None,
         unpinned_reason=unpinned,
     )
+
+
+def choose_firmware(gpus: Sequence[Gpu], choice: str = "auto") -> str:
+    """ "uefi" or "bios" for a domain with ``gpus``: ``choice`` unless it is "auto", which is
+    "bios" when every BAR of the GPUs together fits ``SEABIOS_MAX_BAR_BYTES``, else "uefi"."""
+    if choice != "auto":
+        return choice
+    total = sum(bar.size for gpu in gpus for bar in gpu.bars)
+    return "bios" if total <= SEABIOS_MAX_BAR_BYTES else "uefi"
 
 
 def mmio64_window(gpus: Sequence[Gpu]) -> int:
@@ -199,7 +215,6 @@ def apply(root: etree._Element, plan: PassthroughPlan) -> None:
     etree.SubElement(pcie_root, "pcihole64", unit="KiB").text = str(plan.mmio64_bytes // KIB)
     memtune = _child(root, "memtune", after="currentMemory")
     etree.SubElement(memtune, "hard_limit", unit="KiB").text = str(plan.hard_limit_kib)
-    etree.SubElement(_child(root, "memoryBacking", after="memtune"), "locked")
     _set_phys_bits(root, plan.phys_bits)
     if plan.cpuset is not None:
         cputune = _child(root, "cputune", after="vcpu")
@@ -208,7 +223,9 @@ def apply(root: etree._Element, plan: PassthroughPlan) -> None:
         etree.SubElement(cputune, "emulatorpin", cpuset=plan.cpuset)
         numatune = _child(root, "numatune", after="cputune")
         etree.SubElement(numatune, "memory", mode="strict", nodeset=str(plan.numa_node))
-    _add_gpus(devices, plan.slots)
+    _add_gpus(devices, plan.slots, rom=plan.firmware == "uefi")
+    if plan.firmware != "uefi":
+        return  # the fw_cfg file below is OVMF's
     commandline = root.find(f"{{{QEMU_NS}}}commandline")
     if commandline is None:
         commandline = etree.SubElement(root, f"{{{QEMU_NS}}}commandline")
@@ -216,7 +233,7 @@ def apply(root: etree._Element, plan: PassthroughPlan) -> None:
         etree.SubElement(commandline, f"{{{QEMU_NS}}}arg", value=value)
 
 
-def _add_gpus(devices: etree._Element, slots: Sequence[Sequence[str]]) -> None:
+def _add_gpus(devices: etree._Element, slots: Sequence[Sequence[str]], *, rom: bool) -> None:
     controllers = devices.findall("controller")
     index = 1 + max(int(c.get("index")) for c in controllers if c.get("type") == "pci")
     balloon = devices.find("memballoon")
@@ -243,6 +260,8 @@ def _add_gpus(devices: etree._Element, slots: Sequence[Sequence[str]]) -> None:
             )
             if function == "0x0" and len(functions) > 1:
                 guest.set("multifunction", "on")
+            if not rom:
+                etree.SubElement(hostdev, "rom", bar="off")
             balloon.addprevious(hostdev)
 
 

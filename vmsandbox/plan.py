@@ -141,15 +141,17 @@ def plan(
             virt_type=virt_type,
             pin=config.numa_pinning,
             switches=switches,
+            firmware=config.gpu_firmware,
         )
-        domain = replace(
-            domain,
-            uefi=True,
-            nvram=files.nvram,
-            ovmf_code=config.ovmf_code,
-            ovmf_vars=config.ovmf_vars,
-            extra=[functools.partial(passthrough.apply, plan=devices)],
-        )
+        domain = replace(domain, extra=[functools.partial(passthrough.apply, plan=devices)])
+        if devices.firmware == "uefi":
+            domain = replace(
+                domain,
+                uefi=True,
+                nvram=files.nvram,
+                ovmf_code=config.ovmf_code,
+                ovmf_vars=config.ovmf_vars,
+            )
     return SandboxPlan(record=record, files=files, domain=domain, gpus=gpus)
 
 
