@@ -45,3 +45,20 @@ def test_a_rebuild_never_changes_a_published_build_folder(tmp_path: Path) -> Non
         "0123456789abcdef-3",
         "current",
     ]
+
+
+def test_an_unchanged_recipe_makes_its_kept_build_current_again(tmp_path: Path) -> None:
+    """Building a recipe whose build is on disk but not current (another recipe was built
+    meanwhile) points ``current`` back at the newest finished build instead of rebuilding."""
+    store = ImageStore(tmp_path)
+    store._publish("img", "0123456789abcdef", _make_disk)
+    forced = store._publish("img", "0123456789abcdef", _make_disk)
+    other = store._publish("img", "fedcba9876543210", _make_disk)
+    assert store.get("img").id == other.id
+    (tmp_path / "img" / ".build-0123456789abcdef-3-1").mkdir()  # a killed build: never chosen
+
+    again = store.reuse("img", "0123456789abcdef")
+    assert again is not None and again.id == forced.id == "0123456789abcdef-2"
+    assert store.get("img").path == forced.path
+    assert store.reuse("img", "0000000000000000") is None
+    assert store.get("img").id == forced.id

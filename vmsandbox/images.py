@@ -12,6 +12,8 @@ Layout under the image directory (one folder per image name, one per build)::
 a rebuild happens only when the recipe changes, and overlays of running sandboxes keep their old
 backing file when it does. A build folder, once published, is never changed or replaced: a
 forced rebuild of an unchanged recipe goes to ``<id>-2`` (``-3``, ...) and moves ``current``.
+Building a recipe whose build is still on disk but no longer current points ``current`` back at
+it rather than building again.
 
 How a recipe becomes the files of one build is image_build.py.
 """
@@ -234,6 +236,22 @@ class ImageStore:
         target = os.readlink(current)
         return target == build_id or target.startswith(f"{build_id}-")
 
+    def reuse(self, name: str, build_id: str) -> BaseImage | None:
+        """Make the newest finished build of ``build_id`` (``build_id`` or ``build_id-N``)
+        current again, when ``current`` points elsewhere (another recipe was built meanwhile);
+        None when there is none. Saves rebuilding what is on disk already."""
+        same = [
+            found
+            for found in self.builds(name)
+            if found.meta.get("id") == found.id
+            and (found.id == build_id or found.id.startswith(f"{build_id}-"))
+        ]
+        if not same:
+            return None
+        newest = max(same, key=lambda found: int(found.id.partition("-")[2] or 1))
+        self._point_current(self.root / name, newest.id)
+        return self.get(name)
+
     def build(self, name: str, *, force: bool = False, progress: Progress = silent) -> BaseImage:
         """Build recipe ``name`` unless a build of the same recipe hash is already current."""
         recipe = load_recipe(name)
@@ -242,6 +260,9 @@ class ImageStore:
             if not force and self.is_current(name, build_id):
                 progress(f"image {name} is up to date ({build_id})")
                 return self.get(name)
+            if not force and (kept := self.reuse(name, build_id)) is not None:
+                progress(f"image {name}: build {kept.id} of this recipe is current again")
+                return kept
             require_tools("mmdebstrap", "mkfs.ext4", "qemu-img")
             return self._publish(name, build_id, lambda tmp: build_recipe(recipe, tmp, progress))
 
@@ -307,15 +328,20 @@ class ImageStore:
             for child in tmp.iterdir():
                 os.chmod(child, 0o644)
             os.rename(tmp, folder / folder_id)  # fails rather than replace: the id is unused
-            link = folder / f".current-{os.getpid()}"
-            with contextlib.suppress(FileNotFoundError):
-                link.unlink()
-            link.symlink_to(folder_id)
-            os.replace(link, folder / "current")
+            self._point_current(folder, folder_id)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return self.get(name)
+
+    @staticmethod
+    def _point_current(folder: Path, folder_id: str) -> None:
+        """Point ``folder``'s ``current`` at build ``folder_id`` in one atomic rename."""
+        link = folder / f".current-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        link.symlink_to(folder_id)
+        os.replace(link, folder / "current")
 
     def _drop_if_empty(self, name: str) -> None:
         """After a failed first import of ``name``: leave no folder holding only its lock."""
