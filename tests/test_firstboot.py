@@ -89,10 +89,22 @@ def test_a_seed_without_guest_setup_has_no_commands(tmp_path: Path):
     assert firstboot.parse(*texts).runcmd == ()
 
 
-def test_a_libvirt_network_nic_uses_dhcp():
-    config = _base()
-    (nic,) = firstboot.parse(*_texts(config, net=network_config(MAC, user_net=False))).nics
+def test_a_libvirt_network_nic_uses_dhcp(tmp_path: Path):
+    seed = firstboot.parse(*_texts(_base(), net=network_config(MAC, user_net=False)))
+    (nic,) = seed.nics
     assert nic.dhcp and nic.addresses == ()
+    (tmp_path / "net/eth0").mkdir(parents=True)
+    (tmp_path / "net/eth0/address").write_text(MAC)
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/resolv.conf").write_text("nameserver 192.0.2.1\n")  # the image build's
+    ran: list[list[str]] = []
+    firstboot.apply_network(seed, tmp_path, tmp_path / "net", run=ran.append)
+    network = (tmp_path / "etc/systemd/network/50-vmsandbox-eth0.network").read_text()
+    assert network == f"[Match]\nMACAddress={MAC}\n\n[Network]\nDHCP=ipv4\n"
+    # The lease's name servers reach resolv.conf through systemd-resolved, started now.
+    resolv = tmp_path / "etc/resolv.conf"
+    assert os.readlink(resolv) == "../run/systemd/resolve/stub-resolv.conf"
+    assert ran == [["systemctl", "enable", "--now", "--no-block", "systemd-resolved.service"]]
 
 
 def _with(path: str, value: Any) -> tuple:
@@ -180,11 +192,14 @@ def test_a_seed_is_applied_into_a_root(tmp_path: Path):
     assert (root / "etc/openshell/token").read_text() == "s3cret"
     assert mode("etc/openshell/token") == 0o600
     assert (root / "etc/environment").read_text() == "PATH=/bin\nGREETING=hi\n"
-    assert (root / "etc/network/interfaces.d/50-vmsandbox").read_text() == (
-        "auto eth0\niface eth0 inet static\n    address 10.0.2.15/24\n    gateway 10.0.2.2\n"
+    network = root / "etc/systemd/network"
+    assert (network / "50-vmsandbox-eth0.network").read_text() == (
+        f"[Match]\nMACAddress={MAC}\n\n[Network]\nLinkLocalAddressing=no\nIPv6AcceptRA=no\n"
+        "Address=10.0.2.15/24\nGateway=10.0.2.2\nDNS=10.0.2.3\n"
     )
-    rule = (root / "etc/udev/rules.d/70-vmsandbox-net.rules").read_text()
-    assert f'ATTR{{address}}=="{MAC}", NAME="eth0"' in rule
+    assert (network / "50-vmsandbox-eth0.link").read_text() == (
+        f"[Match]\nMACAddress={MAC}\n\n[Link]\nName=eth0\n"
+    )
     resolv = root / "etc/resolv.conf"
     assert not resolv.is_symlink() and resolv.read_text() == "nameserver 10.0.2.3\n"
 
@@ -197,9 +212,17 @@ def test_a_file_for_a_missing_owner_names_it(tmp_path: Path):
         firstboot.apply_files(seed, tmp_path, _ids)
 
 
-def test_a_nic_that_never_appears_names_its_mac(tmp_path: Path):
-    with pytest.raises(SeedError, match=f"no network interface with MAC address {MAC}"):
-        firstboot._wait_for_nic(MAC, tmp_path, timeout=0)
+def test_a_nic_the_kernel_named_otherwise_is_renamed_and_one_not_there_yet_is_not(
+    tmp_path: Path,
+):
+    seed = firstboot.parse(*_texts(_base()))
+    ran: list[list[str]] = []
+    firstboot.apply_network(seed, tmp_path, tmp_path / "net", run=ran.append)
+    assert ran == []  # no NIC yet: the .link file names it when udev adds it
+    (tmp_path / "net/ens3").mkdir(parents=True)
+    (tmp_path / "net/ens3/address").write_text(MAC)
+    firstboot.apply_network(seed, tmp_path, tmp_path / "net", run=ran.append)
+    assert ran == [["ip", "link", "set", "dev", "ens3", "name", "eth0"]]
 
 
 def test_runcmd_runs_each_command_once_and_reports_failures(

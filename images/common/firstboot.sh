@@ -8,19 +8,24 @@ root="$1"
 units="$root/etc/systemd/system"
 
 # Before the network and sshd: hostname, user and key, host key, network, the guest setup's
-# files. Its lines go to the console, where vmsandbox's boot watcher reads them.
+# files. Its lines go to the console, where vmsandbox's boot watcher reads them. The network is
+# systemd-networkd's (part of systemd; the recipes leave ifupdown out), configured by this unit.
+# It is the way to sshd, so it starts as soon as the root filesystem has its fstab options
+# (the kernel mounts it read-write) and runs at a higher priority than the rest of the boot,
+# which shares the single vCPU with it.
 cat > "$units/vmsandbox-firstboot.service" <<'UNIT'
 [Unit]
 Description=vmsandbox first boot from the NoCloud seed
 DefaultDependencies=no
-After=local-fs.target
-Before=networking.service ssh.service systemd-user-sessions.service shutdown.target
+After=systemd-remount-fs.service
+Before=systemd-networkd.service ssh.service systemd-user-sessions.service shutdown.target
 Conflicts=shutdown.target
 
 [Service]
 Type=oneshot
 RemainAfterExit=yes
-ExecStart=/usr/bin/python3 -I -S /usr/lib/vmsandbox/firstboot.py
+Nice=-10
+ExecStart=/usr/bin/python3 -I -S /usr/lib/vmsandbox/firstboot.pyc
 StandardOutput=journal+console
 StandardError=journal+console
 
@@ -39,7 +44,7 @@ ConditionPathExists=/var/lib/vmsandbox/runcmd.json
 
 [Service]
 Type=oneshot
-ExecStart=/usr/bin/python3 -I -S /usr/lib/vmsandbox/firstboot.py --runcmd
+ExecStart=/usr/bin/python3 -I -S /usr/lib/vmsandbox/firstboot.pyc --runcmd
 StandardOutput=journal+console
 StandardError=journal+console
 
@@ -62,5 +67,15 @@ ExecStart=/bin/sh -c 'exec resize2fs "$(findmnt -no SOURCE /)"'
 WantedBy=multi-user.target
 UNIT
 
-systemctl --root="$root" --quiet enable vmsandbox-firstboot.service vmsandbox-runcmd.service \
-  vmsandbox-growfs.service
+# Compiled here, once: run as a script, the program would be compiled again at every boot.
+chroot "$root" python3 -c 'import py_compile, sys; py_compile.compile(sys.argv[1], \
+  cfile=sys.argv[1] + "c", doraise=True)' /usr/lib/vmsandbox/firstboot.py
+
+systemctl --root="$root" --quiet enable systemd-networkd.service vmsandbox-firstboot.service \
+  vmsandbox-runcmd.service vmsandbox-growfs.service
+
+# systemd-resolved is there for DHCP networks only (the first boot turns it on for them): off,
+# and resolv.conf a plain file, until then.
+systemctl --root="$root" --quiet disable systemd-resolved.service
+rm -f "$root/etc/resolv.conf"
+: > "$root/etc/resolv.conf"

@@ -1,13 +1,14 @@
 #!/usr/bin/python3
 """vmsandbox's first-boot unit: applies the NoCloud seed vmsandbox writes, in place of cloud-init.
 
-Baked into the project's own images as /usr/lib/vmsandbox/firstboot.py and run by
-``vmsandbox-firstboot.service`` before the network and sshd start. It reads the seed (an ISO 9660
-volume labelled ``cidata``: user-data, meta-data, network-config) and gives the guest its
-hostname, the sandbox user with its authorized key and sudo rule, the pinned SSH host key, the
-network, and the files of the sandbox's guest setup; the seed's ``runcmd`` is kept for
-``vmsandbox-runcmd.service``, which runs it (``--runcmd``) beside sshd, as cloud-init's late
-stages did. Stock cloud images never run this: they keep cloud-init and read the same seed.
+Baked into the project's own images as /usr/lib/vmsandbox/firstboot.py (compiled there to
+firstboot.pyc) and run by ``vmsandbox-firstboot.service`` before systemd-networkd and sshd
+start. It reads the seed (an ISO 9660 volume labelled ``cidata``: user-data, meta-data,
+network-config) and gives the guest its hostname, the sandbox user with its authorized key and
+sudo rule, the pinned SSH host key, the network, and the files of the sandbox's guest setup;
+the seed's ``runcmd`` is kept for ``vmsandbox-runcmd.service``, which runs it (``--runcmd``)
+beside sshd, as cloud-init's late stages did. Stock cloud images never run this: they keep
+cloud-init and read the same seed.
 
 vmsandbox writes user-data as JSON after the ``#cloud-config`` line (JSON is YAML), so the
 standard library's json reads it: no YAML parser to start under TCG. Every key is checked
@@ -42,7 +43,6 @@ RUNCMD_FILE = "runcmd.json"
 # The ISO 9660 primary volume descriptor: sector 16; "CD001" at byte 1, the volume id at 40.
 PVD_OFFSET = 16 * 2048
 SEED_WAIT_S = 60.0
-NIC_WAIT_S = 60.0
 POLL_S = 0.05
 SSH_KEY_TYPES = ("rsa", "ecdsa", "ed25519")
 
@@ -404,46 +404,56 @@ def apply_users(seed: Seed, root: Path, account: Callable[[str], tuple[int, int,
         _write(root / "etc/sudoers.d/90-vmsandbox-users", "".join(rules).encode(), 0o440)
 
 
-def apply_network(seed: Seed, root: Path, sys_net: Path = Path("/sys/class/net")) -> None:
-    """ifupdown configuration for each NIC (networking.service, ordered after this unit, brings
-    it up), a udev rule that keeps its name on later boots, and a rename now when the kernel
-    named it otherwise. Waits for each NIC: its driver may still be loading."""
-    stanzas, rules, resolvers = [], [], []
+def apply_network(
+    seed: Seed,
+    root: Path,
+    sys_net: Path = Path("/sys/class/net"),
+    run: Callable[[list[str]], None] = lambda argv: _run(argv),
+) -> None:
+    """systemd-networkd configuration for each NIC, matched by MAC (networkd, ordered after
+    this unit, applies it; no shell scripts per interface as with ifupdown), and its name: a
+    .link file names it when udev adds it, and one the kernel has already named otherwise is
+    renamed now. Nothing waits for a NIC whose driver is still loading.
+
+    Name servers: the seed's static ones go to resolv.conf itself. A DHCP lease's can reach
+    resolv.conf only through systemd-resolved, which the image has but leaves off (it would be
+    one more daemon before network.target at every boot); it is enabled and started here."""
+    resolvers = []
+    network = root / "etc/systemd/network"
     for nic in seed.nics:
-        current = _wait_for_nic(nic.mac, sys_net)
-        if current != nic.name:
-            _run(["ip", "link", "set", "dev", current, "name", nic.name])
-        rules.append(
-            f'SUBSYSTEM=="net", ACTION=="add", ATTR{{address}}=="{nic.mac}", NAME="{nic.name}"\n'
-        )
+        match = f"[Match]\nMACAddress={nic.mac}\n"
+        link = f"{match}\n[Link]\nName={nic.name}\n"
+        _write(network / f"50-vmsandbox-{nic.name}.link", link.encode(), 0o644)
+        current = _nic_named(nic.mac, sys_net)
+        if current not in (None, nic.name):
+            run(["ip", "link", "set", "dev", current, "name", nic.name])
         if nic.dhcp:
-            stanzas.append(f"auto {nic.name}\niface {nic.name} inet dhcp\n")
-        else:
-            lines = [f"auto {nic.name}", f"iface {nic.name} inet static"]
-            lines += [f"    address {address}" for address in nic.addresses]
-            lines += [f"    gateway {nic.gateway}"] if nic.gateway else []
-            stanzas.append("\n".join(lines) + "\n")
+            lines = ["[Network]", "DHCP=ipv4"]
+        else:  # user-mode networking: its SSH forward and DNS are IPv4, no IPv6 to wait for
+            lines = ["[Network]", "LinkLocalAddressing=no", "IPv6AcceptRA=no"]
+        lines += [f"Address={address}" for address in nic.addresses]
+        lines += [f"Gateway={nic.gateway}"] if nic.gateway else []
+        lines += [f"DNS={server}" for server in nic.nameservers]
+        text = f"{match}\n" + "\n".join(lines) + "\n"
+        _write(network / f"50-vmsandbox-{nic.name}.network", text.encode(), 0o644)
         resolvers += nic.nameservers
-    if not seed.nics:
-        return
-    _write(root / "etc/network/interfaces.d/50-vmsandbox", "\n".join(stanzas).encode(), 0o644)
-    _write(root / "etc/udev/rules.d/70-vmsandbox-net.rules", "".join(rules).encode(), 0o644)
-    if resolvers:
-        resolv = root / "etc/resolv.conf"
+    resolv = root / "etc/resolv.conf"
+    if any(nic.dhcp for nic in seed.nics):
+        resolv.unlink(missing_ok=True)
+        resolv.symlink_to("../run/systemd/resolve/stub-resolv.conf")
+        run(["systemctl", "enable", "--now", "--no-block", "systemd-resolved.service"])
+    elif resolvers:
         resolv.unlink(missing_ok=True)  # may be a link into a resolver's runtime folder
         _write(resolv, "".join(f"nameserver {r}\n" for r in resolvers).encode(), 0o644)
 
 
-def _wait_for_nic(mac: str, sys_net: Path, timeout: float = NIC_WAIT_S) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        for link in sorted(sys_net.iterdir()) if sys_net.is_dir() else []:
-            with open(link / "address") as handle:
-                if handle.read().strip().lower() == mac:
-                    return link.name
-        if time.monotonic() > deadline:
-            raise SeedError(f"no network interface with MAC address {mac} appeared")
-        time.sleep(POLL_S)
+def _nic_named(mac: str, sys_net: Path) -> str | None:
+    """The name of the NIC with MAC address ``mac``, or None while there is none."""
+    for link in sorted(sys_net.iterdir()) if sys_net.is_dir() else []:
+        with open(link / "address") as handle:
+            if handle.read().strip().lower() == mac:
+                return link.name
+    return None
 
 
 def apply_files(seed: Seed, root: Path, ids: Callable[[str, str], tuple[int, int]]) -> None:
