@@ -81,7 +81,10 @@ def test_the_watch_reads_lines_split_across_polls_and_strips_escapes(tmp_path: P
 )
 def test_a_seed_reader_is_noticed_once_seen(tmp_path: Path, line: str) -> None:
     log = tmp_path / "console.log"
-    log.write_text("[    0.0] Kernel command line: root=/dev/vda cloud-init=disabled\r\n")
+    log.write_text(
+        "[    0.0] Kernel command line: root=/dev/vda cloud-init=disabled "
+        "systemd.mask=vmsandbox-firstboot.service console=ttyS0\r\n"
+    )
     watch = console.ConsoleWatch(log)
     assert watch.poll() is None and not watch.seed_reader_seen  # the cmdline echo is not it
     with log.open("a") as handle:

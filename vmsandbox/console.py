@@ -28,10 +28,13 @@ FATAL = (
     re.compile(r"vmsandbox-firstboot: error: "),
 )
 # Seen when what reads the NoCloud seed runs: cloud-init (its banner, its systemd units, its log
-# lines; not the kernel command line echo ``cloud-init=disabled``) or vmsandbox's first-boot unit
-# (its unit, its lines). Without either, the seed that installs the SSH keys is never read.
+# lines) or vmsandbox's first-boot unit (its lines, systemd's "Starting <unit> - <description>").
+# Never the kernel command line's echo (``cloud-init=disabled``,
+# ``systemd.mask=vmsandbox-firstboot.service``). Without either, the seed that installs the SSH
+# keys is never read.
 SEED_READER_RE = re.compile(
-    r"Cloud-init v\. |cloud-init(-local)?\.service|cloud-init\[\d+\]|vmsandbox-firstboot"
+    r"Cloud-init v\. |cloud-init(-local)?\.service|cloud-init\[\d+\]"
+    r"|vmsandbox-firstboot(: |\.service - )"
 )
 
 _STAGES = (
