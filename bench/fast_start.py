@@ -39,7 +39,8 @@ STAGES = (
     ("kernel started", re.compile(rb"Linux version")),
     ("initramfs /init runs", re.compile(rb"Run /init as init process")),
     ("systemd started", re.compile(rb"systemd\[1\]|Welcome to")),
-    ("cloud-init started", re.compile(rb"[Cc]loud-init")),
+    # cloud-init in stock images, vmsandbox's first-boot unit in the project's own
+    ("seed reader started", re.compile(rb"[Cc]loud-init|vmsandbox-firstboot")),
     ("sshd started", re.compile(rb"Started (?:\x1b\[[0-9;]*m)?ssh\.service")),
 )
 POLL_S = 0.05

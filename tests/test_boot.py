@@ -11,6 +11,7 @@ from fake_hypervisor import FakeDomain, FakeHypervisor
 
 from vmsandbox import boot, console
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from vmsandbox.guest_tools import firstboot
 from vmsandbox.record import SandboxFiles
 
 SEABIOS = (
@@ -65,19 +66,38 @@ def test_the_watch_reads_lines_split_across_polls_and_strips_escapes(tmp_path: P
     with log.open("a") as handle:
         handle.write(SEABIOS[half:])
     assert watch.poll() == "No bootable device."
-    assert not watch.cloud_init_seen
+    assert not watch.seed_reader_seen
     assert console.tail(log, 1) == "No bootable device."
     assert "\x1b" not in console.tail(log, 10)
 
 
-def test_cloud_init_is_noticed_once_seen(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "line",
+    [
+        "[  OK  ] Finished cloud-init-local.service",  # a stock cloud image
+        "[    3.2] vmsandbox-firstboot[201]: vmsandbox-firstboot: reading the NoCloud seed",
+        "         Starting vmsandbox-firstboot.service - vmsandbox first boot",
+    ],
+)
+def test_a_seed_reader_is_noticed_once_seen(tmp_path: Path, line: str) -> None:
     log = tmp_path / "console.log"
-    log.write_text("[    0.0] Kernel command line: root=/dev/vda cloud-init=disabled\r\n")
+    log.write_text(
+        "[    0.0] Kernel command line: root=/dev/vda cloud-init=disabled "
+        "systemd.mask=vmsandbox-firstboot.service console=ttyS0\r\n"
+    )
     watch = console.ConsoleWatch(log)
-    assert watch.poll() is None and not watch.cloud_init_seen  # the cmdline echo is not it
+    assert watch.poll() is None and not watch.seed_reader_seen  # the cmdline echo is not it
     with log.open("a") as handle:
-        handle.write("[  OK  ] Finished cloud-init-local.service\r\nlater lines\r\n")
-    assert watch.poll() is None and watch.cloud_init_seen
+        handle.write(f"{line}\r\nlater lines\r\n")
+    assert watch.poll() is None and watch.seed_reader_seen
+
+
+def test_the_first_boot_units_error_line_is_fatal(tmp_path: Path) -> None:
+    """What firstboot.py prints when it refuses a seed ends the wait at once."""
+    line = f"{firstboot.PREFIX}: error: user-data key 'bootcmd' is not understood"
+    log = tmp_path / "console.log"
+    log.write_text(f"[    4.1] vmsandbox-firstboot[201]: {line}\r\n")
+    assert console.ConsoleWatch(log).poll() == f"[    4.1] vmsandbox-firstboot[201]: {line}"
 
 
 def _watch(tmp_path: Path, running: bool) -> tuple[boot.BootWatch, Path]:
@@ -114,12 +134,13 @@ def test_a_stopped_domain_fails_the_wait_with_libvirts_reason(tmp_path: Path) ->
     assert "cannot set up guest memory" in c.value.message
 
 
-def test_the_timeout_says_when_cloud_init_never_ran(tmp_path: Path) -> None:
+def test_the_timeout_says_when_no_seed_reader_ran(tmp_path: Path) -> None:
     watch, log = _watch(tmp_path, running=True)
     log.write_text("Debian GNU/Linux 12 localhost ttyS0\r\nlocalhost login: ")
     error = watch.timed_out(DeadlineExceeded("guest did not accept SSH within 60s"))
-    assert boot.NO_CLOUD_INIT in error.message
-    assert error.details["cloud_init_seen"] is False
-    log.write_text("Cloud-init v. 22.4.2 running 'init-local'\r\n")
-    error = watch.timed_out(DeadlineExceeded("guest did not accept SSH within 60s"))
-    assert boot.NO_CLOUD_INIT not in error.message
+    assert boot.NO_SEED_READER in error.message
+    assert error.details["seed_reader_seen"] is False
+    for reader in ("Cloud-init v. 22.4.2 running 'init-local'", "vmsandbox-firstboot: reading"):
+        log.write_text(f"{reader}\r\n")
+        error = watch.timed_out(DeadlineExceeded("guest did not accept SSH within 60s"))
+        assert boot.NO_SEED_READER not in error.message

@@ -7,7 +7,8 @@ The images live in an image directory of the test's own: an 8 MiB all-zeros disk
 the store would after an import, without the import's checks), and the minimal image booted with
 another command line: a root that does not exist (without an initrd the kernel panics, with one
 the initramfs gives up), ``poweroff.target`` (QEMU ends early), ``ssh.service`` masked (kernel,
-systemd and cloud-init run; sshd never answers), or cloud-init disabled as well.
+systemd and the first-boot unit run; sshd never answers), or what reads the seed (cloud-init,
+vmsandbox's first-boot unit) disabled as well.
 
 Whether a failure came fast is shown by its code, not by timing: the waits are long (600 s), so
 FAILED_PRECONDITION can only come from what the console or libvirt said.
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 from conftest import leftovers
 
-from vmsandbox.boot import NO_CLOUD_INIT
+from vmsandbox.boot import NO_SEED_READER
 from vmsandbox.config import Config
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition
 from vmsandbox.images import ImageStore
@@ -55,7 +56,7 @@ def _publish(root: Path, name: str, meta: dict[str, object], files: dict[str, Pa
 @pytest.fixture(scope="module")
 def image_dir(config: Config) -> Iterator[Path]:
     """Images ``blank`` (8 MiB of zeros, no kernel), ``panic``, ``no-root``, ``poweroff``,
-    ``no-sshd`` and ``no-cloud-init`` (the minimal image's disk and kernel with the command
+    ``no-sshd`` and ``no-seed-reader`` (the minimal image's disk and kernel with the command
     lines above)."""
     root = Path(tempfile.mkdtemp(prefix="vmsbx-images-", dir="/var/tmp"))
     os.chmod(root, 0o755)
@@ -74,8 +75,8 @@ def image_dir(config: Config) -> Iterator[Path]:
     _publish(root, "poweroff", poweroff, with_initrd)
     no_sshd = minimal.cmdline + " systemd.mask=ssh.service"
     _publish(root, "no-sshd", {**minimal.meta, "cmdline": no_sshd}, with_initrd)
-    no_cloud_init = {**minimal.meta, "cmdline": no_sshd + " cloud-init=disabled"}
-    _publish(root, "no-cloud-init", no_cloud_init, with_initrd)
+    no_reader = no_sshd + " cloud-init=disabled systemd.mask=vmsandbox-firstboot.service"
+    _publish(root, "no-seed-reader", {**minimal.meta, "cmdline": no_reader}, with_initrd)
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -172,16 +173,16 @@ def test_a_guest_without_sshd_is_deadline_exceeded_with_its_console(
     assert leftovers(config, name) == []
 
 
-def test_a_guest_without_cloud_init_times_out_saying_so(config: Config, image_dir: Path) -> None:
-    """A stock-like image without cloud-init boots, but nothing installs the sandbox's keys: the
-    timeout says cloud-init (NoCloud) was never seen on the console."""
+def test_a_guest_without_a_seed_reader_times_out_saying_so(config: Config, image_dir: Path) -> None:
+    """An image without cloud-init or the first-boot unit boots, but nothing installs the
+    sandbox's keys: the timeout says neither was seen on the console."""
     name = generate_name("t")
-    spec = SandboxSpec(name=name, image="no-cloud-init", memory_mib=512)
+    spec = SandboxSpec(name=name, image="no-seed-reader", memory_mib=512)
     with (
         SandboxManager(replace(config, image_dir=image_dir), reconcile=False) as manager,
         pytest.raises(DeadlineExceeded) as caught,
     ):
         manager.create(spec, timeout=90)
-    assert NO_CLOUD_INIT in caught.value.message
-    assert caught.value.details["cloud_init_seen"] is False
+    assert NO_SEED_READER in caught.value.message
+    assert caught.value.details["seed_reader_seen"] is False
     assert leftovers(config, name) == []

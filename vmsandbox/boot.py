@@ -26,9 +26,10 @@ PIN_SECONDS_PER_GIB = 0.5
 SECONDS_PER_GPU = 30.0
 CONSOLE_LINES = 30
 LEASE_POLL_S = 0.5
-NO_CLOUD_INIT = (
-    "cloud-init (the NoCloud seed that installs the SSH keys) was not seen on the guest "
-    "console: the image may lack cloud-init or have it disabled"
+NO_SEED_READER = (
+    "neither cloud-init nor vmsandbox's first-boot unit (what reads the NoCloud seed that "
+    "installs the SSH keys) was seen on the guest console: the image may lack both or have "
+    "them disabled"
 )
 
 
@@ -100,13 +101,14 @@ class BootWatch:
         return True
 
     def timed_out(self, exc: DeadlineExceeded) -> DeadlineExceeded:
-        """The timeout error, saying whether cloud-init ever ran, with the console's tail."""
+        """The timeout error, saying whether a seed reader ever ran, with the console's tail."""
         self.console.poll()
         tail = console.tail(self.files.console_log, CONSOLE_LINES)
-        note = "" if self.console.cloud_init_seen else f"; {NO_CLOUD_INIT}"
+        seen = self.console.seed_reader_seen
+        note = "" if seen else f"; {NO_SEED_READER}"
         return DeadlineExceeded(
             f"sandbox {self.name!r}: {exc.message}{note}" + _console_section(tail),
-            details={"console_tail": tail, "cloud_init_seen": self.console.cloud_init_seen},
+            details={"console_tail": tail, "seed_reader_seen": seen},
         )
 
 

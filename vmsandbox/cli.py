@@ -150,6 +150,10 @@ def _cmd_create(args: argparse.Namespace, out: Output) -> int:
             )
         sys.stdout.write(xml)
         return 0
+    if not args.no_wait:
+        from vmsandbox import guest
+
+        guest.preload()
     with _manager(progress=True, reconcile=True) as manager:
         sandbox = manager.create(
             spec,

@@ -2,7 +2,8 @@
 say it never will (firmware finding nothing to boot, a kernel panic, an initramfs without root).
 
 The log is written by QEMU (``<serial><log file=...>``) and holds firmware, kernel, systemd and
-cloud-init output, colours and cursor moves included; what is shown is stripped of those.
+seed reader output (cloud-init in stock images, vmsandbox's first-boot unit in the project's own),
+colours and cursor moves included; what is shown is stripped of those.
 """
 
 from __future__ import annotations
@@ -23,16 +24,24 @@ FATAL = (
     re.compile(r"VFS: Unable to mount root fs"),
     re.compile(r"Gave up waiting for root"),
     re.compile(r"ALERT! .* does not exist"),
+    # vmsandbox's first-boot unit refusing or failing to apply the seed (guest_tools/firstboot.py)
+    re.compile(r"vmsandbox-firstboot: error: "),
 )
-# Seen when cloud-init runs (its own banner, its systemd units, its log lines), not in the kernel
-# command line echo (``cloud-init=disabled``): without it the NoCloud seed that installs the SSH
+# Seen when what reads the NoCloud seed runs: cloud-init (its banner, its systemd units, its log
+# lines) or vmsandbox's first-boot unit (its lines, systemd's "Starting <unit> - <description>").
+# Never the kernel command line's echo (``cloud-init=disabled``,
+# ``systemd.mask=vmsandbox-firstboot.service``). Without either, the seed that installs the SSH
 # keys is never read.
-CLOUD_INIT_RE = re.compile(r"Cloud-init v\. |cloud-init(-local)?\.service|cloud-init\[\d+\]")
+SEED_READER_RE = re.compile(
+    r"Cloud-init v\. |cloud-init(-local)?\.service|cloud-init\[\d+\]"
+    r"|vmsandbox-firstboot(: |\.service - )"
+)
 
 _STAGES = (
     ("Reached target multi-user", "multi-user target reached"),
     ("Starting ssh.service", "starting sshd"),
     ("cloud-init", "cloud-init running"),
+    ("vmsandbox-firstboot", "first-boot unit running"),
     ("Reached target basic", "basic system up"),
     ("Run /init", "initramfs"),
     ("Linux version", "kernel booting"),
@@ -70,12 +79,13 @@ def stage(path: Path) -> str:
 
 
 class ConsoleWatch:
-    """Follows a console log as it grows: remembers whether cloud-init was ever seen and finds
-    the first fatal line. Reads only what was added since the last ``poll``."""
+    """Follows a console log as it grows: remembers whether a seed reader (cloud-init or the
+    first-boot unit) was ever seen and finds the first fatal line. Reads only what was added
+    since the last ``poll``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.cloud_init_seen = False
+        self.seed_reader_seen = False
         self._offset = 0
         self._partial = ""
 
@@ -94,8 +104,8 @@ class ConsoleWatch:
         lines = text.split("\n")
         self._partial = lines.pop()  # an unfinished line is read again with the rest of it
         for line in lines:
-            if CLOUD_INIT_RE.search(line):
-                self.cloud_init_seen = True
+            if SEED_READER_RE.search(line):
+                self.seed_reader_seen = True
             if any(pattern.search(line) for pattern in FATAL):
                 return line.strip()
         return None

@@ -9,8 +9,11 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import select
 import shlex
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +38,14 @@ def _paramiko() -> Any:
     return paramiko
 
 
+def preload() -> threading.Thread:
+    """Import paramiko in a thread of its own, while the caller waits on libvirtd: a pool hit
+    needs it a fraction of a second after the process starts, and the import takes ~0.1 s."""
+    thread = threading.Thread(target=_paramiko, name="preload-paramiko", daemon=True)
+    thread.start()
+    return thread
+
+
 @dataclass(frozen=True)
 class Endpoint:
     host: str
@@ -53,7 +64,9 @@ class HostKeyMismatch(FailedPrecondition):
     """The guest answered with a host key other than the pinned one."""
 
 
-def _client(endpoint: Endpoint, keys: SandboxKeys, timeout: float) -> paramiko.SSHClient:
+def _client(
+    endpoint: Endpoint, keys: SandboxKeys, timeout: float, sock: socket.socket | None = None
+) -> paramiko.SSHClient:
     paramiko = _paramiko()
     client = paramiko.SSHClient()
     key_type, key_b64 = keys.host_public_key().split()[:2]
@@ -69,6 +82,7 @@ def _client(endpoint: Endpoint, keys: SandboxKeys, timeout: float) -> paramiko.S
             key_filename=str(keys.client_key),
             look_for_keys=False,
             allow_agent=False,
+            sock=sock,
             timeout=timeout,
             banner_timeout=timeout,
             auth_timeout=timeout,
@@ -98,6 +112,62 @@ def connect(endpoint: Endpoint, keys: SandboxKeys, timeout: float = 10.0) -> par
         ) from exc
 
 
+# QEMU's user-mode networking accepts the host side of a forward at once and then knocks at the
+# guest, which stays silent until its network is up; a knock it missed is retried only seconds
+# later. So the wait for sshd keeps several connections open, a new one every KNOCK_EVERY_S,
+# and takes the first on which sshd's banner arrives: sshd is found about as soon as it answers.
+# None is given up early (sshd's first answer can take a second under TCG); each is closed after
+# KNOCK_WAIT_S without a word, and the ones left when a banner comes are closed unread.
+KNOCK_EVERY_S = 0.5
+KNOCK_WAIT_S = 5.0
+KNOCKS_OPEN = 8
+
+
+class _Silent(Exception):
+    """No connection got an answer from the guest within the wait given."""
+
+
+def _knock(endpoint: Endpoint, wait: float) -> socket.socket:
+    """A connection on which sshd's banner has arrived (peeked at, left for paramiko to read).
+    _Silent when none had one within ``wait``; the last error when every connection failed."""
+    knocks: dict[socket.socket, float] = {}  # connection -> when it is given up
+    deadline = time.monotonic() + wait
+    next_knock = 0.0
+    error: Exception = _Silent()
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= next_knock and len(knocks) < KNOCKS_OPEN:
+                next_knock = now + KNOCK_EVERY_S
+                try:
+                    sock = socket.create_connection((endpoint.host, endpoint.port), timeout=wait)
+                    knocks[sock] = now + KNOCK_WAIT_S
+                except OSError as exc:
+                    error = exc
+            if now >= deadline:
+                raise error
+            for sock in [sock for sock, until in knocks.items() if until <= now]:
+                del knocks[sock]
+                sock.close()
+            room = len(knocks) < KNOCKS_OPEN
+            pause = max(0.0, next_knock - now) if room else KNOCK_EVERY_S
+            ready, _, _ = select.select(list(knocks), [], [], min(pause, deadline - now))
+            for sock in ready:
+                try:
+                    if sock.recv(4, socket.MSG_PEEK):
+                        del knocks[sock]
+                        sock.settimeout(None)
+                        return sock
+                    error = EOFError("the guest closed the connection")
+                except OSError as exc:
+                    error = exc
+                del knocks[sock]
+                sock.close()
+    finally:
+        for sock in knocks:
+            sock.close()
+
+
 def wait_ready(
     endpoint: Endpoint,
     keys: SandboxKeys,
@@ -114,6 +184,7 @@ def wait_ready(
     what the guest is doing (read from its console) for progress lines.
     """
     start = time.monotonic()
+    _paramiko()  # imported while the guest boots, not after sshd has answered
     deadline = start + timeout
     last_error = "no answer yet"
     last_report = 0.0
@@ -132,8 +203,13 @@ def wait_ready(
             last_report = now
             where = stage()
             progress(f"waiting for SSH ({now - start:.0f}s{', guest: ' + where if where else ''})")
+        wait = min(5.0, max(0.5, deadline - now))
         try:
-            client = _client(endpoint, keys, timeout=min(5.0, max(0.5, deadline - now)))
+            sock = _knock(endpoint, wait)
+            client = _client(endpoint, keys, timeout=wait, sock=sock)
+        except _Silent:
+            last_error = "no answer from the guest"
+            continue
         except HostKeyMismatch:
             raise
         except (TimeoutError, OSError, _paramiko().SSHException, EOFError) as exc:

@@ -1,9 +1,10 @@
 """What a sandbox's guest receives at first boot besides its user and keys: environment
 variables for every process, files (secrets among them) and a main process run by a unit.
 
-It travels in the cloud-init NoCloud seed (``write_files`` and ``runcmd``), never in the domain
-XML or its metadata: the seed ISO is written 0600 in a 0711 folder, so a secret in a file of
-this setup is readable on the host by root only.
+It travels in the NoCloud seed (``write_files`` and ``runcmd``; applied by cloud-init in stock
+images, by the first-boot unit in the project's own), never in the domain XML or its metadata:
+the seed ISO is written 0600 in a 0711 folder, so a secret in a file of this setup is readable
+on the host by root only.
 
 - ``environment`` is appended to /etc/environment, which pam_env gives every SSH session
   (``vmsandbox exec`` included), and written to ENVIRONMENT_FILE for systemd units.

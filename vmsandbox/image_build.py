@@ -34,7 +34,12 @@ def build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, Any
     components = [str(c) for c in data.get("components", ["main"])]
     packages = [str(p) for p in data.get("packages", [])]
     rootdir = tmp / "root"
-    hooks = [f'--customize-hook={shlex.quote(str(s))} "$1"' for s in recipe.scripts]
+    hooks = [
+        f"--customize-hook=install -D -m 0755 {shlex.quote(str(tool))} "
+        f'"$1/usr/lib/vmsandbox/{tool.name}"'
+        for tool in recipe.tools
+    ]
+    hooks += [f'--customize-hook={shlex.quote(str(s))} "$1"' for s in recipe.scripts]
     command = [
         "mmdebstrap",
         "--mode=root",

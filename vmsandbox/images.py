@@ -49,6 +49,7 @@ from vmsandbox.spec import validate_image_name
 from vmsandbox.tools import run_tool, write_with_tool
 
 RECIPE_DIR = RECIPES
+GUEST_TOOLS = Path(__file__).resolve().parent / "guest_tools"
 # Which sandboxes use which build folder, read when asked (image_users.image_users).
 Users = Callable[[], Mapping[Path, Sequence[str]]]
 
@@ -92,11 +93,14 @@ class Recipe:
     path: Path
     data: dict[str, Any]
     scripts: tuple[Path, ...]
+    # Programs of vmsandbox.guest_tools installed as /usr/lib/vmsandbox/<name> (recipe key
+    # ``guest_tools``), before the scripts run; part of the hash like the scripts.
+    tools: tuple[Path, ...] = ()
 
     @property
     def hash(self) -> str:
         digest = hashlib.sha256(f"vmsandbox-image-builder {BUILDER_VERSION}\n".encode())
-        for part in (self.path / "recipe.toml", *self.scripts):
+        for part in (self.path / "recipe.toml", *self.scripts, *self.tools):
             digest.update(part.name.encode() + b"\0" + part.read_bytes() + b"\0")
         return digest.hexdigest()
 
@@ -117,7 +121,14 @@ def load_recipe(name: str, recipe_dir: Path = RECIPE_DIR) -> Recipe:
     for script in scripts:
         if recipe_dir.resolve() not in script.parents or not script.is_file():
             raise FailedPrecondition(f"recipe {name!r} names a missing script {script}")
-    return Recipe(name=name, path=path, data=data, scripts=scripts)
+    tools = tuple(GUEST_TOOLS / tool for tool in data.get("guest_tools", []))
+    for tool in tools:
+        if tool.parent != GUEST_TOOLS or not tool.is_file():
+            raise FailedPrecondition(
+                f"recipe {name!r} names a missing guest tool {tool.name!r} "
+                f"(one of vmsandbox/guest_tools/*.py)"
+            )
+    return Recipe(name=name, path=path, data=data, scripts=scripts, tools=tools)
 
 
 class ImageStore:

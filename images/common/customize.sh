@@ -8,19 +8,10 @@ root="$1"
 # Root on the whole virtio disk (no partition table: the image is one ext4 filesystem).
 printf '/dev/vda / ext4 defaults,errors=remount-ro 0 1\n' > "$root/etc/fstab"
 
-# Host keys come from the cloud-init seed (pinned by the client): never bake any into the image.
+# Host keys come from the NoCloud seed (pinned by the client): never bake any into the image.
 rm -f "$root"/etc/ssh/ssh_host_*
 
-# cloud-init: only the NoCloud seed, so boot never waits on probing metadata services.
-mkdir -p "$root/etc/cloud/cloud.cfg.d"
-cat > "$root/etc/cloud/cloud.cfg.d/90-vmsandbox.cfg" <<'CFG'
-datasource_list: [NoCloud, None]
-# The image's locale is fixed at build time; regenerating it costs seconds at every first boot.
-locale: false
-CFG
-
-# Key-only SSH is baked in, so cloud-init never rewrites sshd_config and restarts sshd while the
-# client is already connecting.
+# Key-only SSH is baked in: the first boot never rewrites sshd_config.
 mkdir -p "$root/etc/ssh/sshd_config.d"
 printf 'PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin no\n' \
   > "$root/etc/ssh/sshd_config.d/90-vmsandbox.conf"
