@@ -6,7 +6,9 @@ locked check that the shape's pool has room, ending in state ``pooled``), and ``
 turn a pooled guest into the sandbox (a locked step that takes one and rewrites its record,
 then its hostname over SSH). Both leave a record in state ``creating`` while they work, so a
 killed fill or claim is taken apart by reconcile like a killed create. Pooled guests hold no
-GPU, so the fabric step of a fill has nothing to do and a claim has none.
+GPU, so the fabric step of a fill has nothing to do. A GPU sandbox claims a GPU-ready guest
+(spare root ports, hotplug.py) through ``GPU_CLAIM_STEPS``: its GPUs are chosen and attached
+live, seen and verified (gpuclaim.py).
 """
 
 from __future__ import annotations
