@@ -26,6 +26,7 @@ class FakeDomain:
     running: bool = False
     reason: str = "never started"
     ignores_acpi: bool = False
+    attached: list[str] = field(default_factory=list)  # device XMLs attached since define
 
 
 @dataclass
@@ -103,7 +104,31 @@ class FakeHypervisor:
         return self.leases.get(domain)
 
     def hostdev_holders(self) -> dict[str, str]:
-        return {}
+        """BDF -> domain for the hostdevs of every domain's XML and of what was attached."""
+        from vmsandbox.host.holders import hostdev_addresses
+
+        holders: dict[str, str] = {}
+        for name, dom in self.domains.items():
+            for xml in (
+                dom.xml,
+                *(f"<domain><devices>{d}</devices></domain>" for d in dom.attached),
+            ):
+                for bdf in hostdev_addresses(xml):
+                    holders.setdefault(bdf, name)
+        return holders
+
+    def attach(self, domain: str, xml: str) -> None:
+        self._hook("attach", domain)
+        dom = self._get(domain)
+        if not dom.running:
+            raise FailedPrecondition(f"domain {domain!r} is not running")
+        dom.attached.append(xml)
+
+    def detach(self, domain: str, xml: str) -> None:
+        self._hook("detach", domain)
+        dom = self.domains.get(domain)
+        if dom is not None and xml in dom.attached:
+            dom.attached.remove(xml)
 
     def close(self) -> None:
         """Nothing to close."""

@@ -305,3 +305,142 @@ def test_card_held_by_a_host_process_is_not_bindable(cards: dict[str, str | None
         with contextlib.suppress(subprocess.SubprocessError):
             inside("kill", pid)
     assert drivers(list(cards)) == cards
+
+
+# -- GPU-ready pooled guests: GPUs attached live to a booted L2 (hotplug.py, gpuclaim.py) ------
+
+POOL_CONFIG = "/etc/vmsandbox/config.toml"  # the nested image's; names its image store
+# One shape, the size of the creates below, whose guests boot with two spare root ports.
+POOL_TOML = '[pool.gpu]\nimage = "minimal"\nmemory_mib = 512\ncount = 1\ngpus = 2\n'
+
+
+def pool_guests() -> list[dict[str, str]]:
+    done = vmsandbox("--json", "pool")
+    assert done.returncode == 0, done.stderr
+    (shape,) = json_of(done)["pool"]
+    return list(shape["guests"])
+
+
+def fill_pool() -> str:
+    """Fill the pool (one GPU-ready guest) and return that guest's name."""
+    done = vmsandbox("pool", "fill", timeout=1200)
+    assert done.returncode == 0, done.stderr
+    (guest,) = pool_guests()
+    assert guest["state"] == "pooled"
+    return guest["name"]
+
+
+def write_config(text: str) -> None:
+    written = subprocess.run(
+        ["bash", str(NESTED), "exec", "--", "sh", "-c", f"cat > {POOL_CONFIG}"],
+        input=text,
+        capture_output=True,
+        text=True,
+        env=nested_env(),
+        timeout=60,
+        check=False,
+    )
+    assert written.returncode == 0, written.stderr
+
+
+@pytest.fixture(scope="module")
+def gpu_pool(host: dict[str, Any]) -> Iterator[str]:
+    """L1's config (the nested image's, naming its image store) with the GPU-ready shape
+    added, and its pool filled; drained and the config put back at the end."""
+    original = inside("cat", POOL_CONFIG)
+    assert original.returncode == 0, original.stderr
+    write_config(f"{original.stdout}\n{POOL_TOML}")
+    try:
+        yield fill_pool()
+    finally:
+        vmsandbox("pool", "drain")
+        write_config(original.stdout)
+
+
+def seen_ids(name: str) -> list[tuple[str, ...]]:
+    ids = "for d in /sys/bus/pci/devices/*; do echo $(cat $d/vendor) $(cat $d/device); done"
+    seen = vmsandbox("exec", name, "--", "sh", "-c", ids)
+    assert seen.returncode == 0, seen.stderr
+    return [tuple(line.split()) for line in seen.stdout.splitlines()]
+
+
+def test_a_gpu_ready_pooled_guest_boots_with_empty_spare_ports(gpu_pool: str) -> None:
+    xml = inside("virsh", "dumpxml", f"vmsbx-{gpu_pool}")
+    assert xml.returncode == 0, xml.stderr
+    assert "<alias name='ua-hp1'/>" in xml.stdout and "<alias name='ua-hp2'/>" in xml.stdout
+    assert "<hostdev" not in xml.stdout
+    # ati-vga: a 16 MiB 32-bit framebuffer and 16 KiB of registers, no 64-bit BAR
+    assert "name='mem-reserve' type='unsigned' value='33554432'" in xml.stdout
+    assert "pref64-reserve" not in xml.stdout
+
+
+def test_a_request_larger_than_the_spare_ports_is_not_claimed(gpu_pool: str) -> None:
+    """Three GPUs: more than the shape's spare ports (and than L1 has): the create goes the
+    cold way, which refuses it, and the pooled guest stays in the pool untouched."""
+    name = generate_name("t")
+    done = vmsandbox("--json", "create", name, "--gpu", "3", *SMALL)
+    assert done.returncode != 0
+    assert json_of(done)["error"]["code"] == "FAILED_PRECONDITION"
+    assert pool_guests() == [{"name": gpu_pool, "state": "pooled"}]
+    assert leftovers(name) == []
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_pooled_claim_attaches_the_gpus_live(
+    gpu_pool: str, cards: dict[str, str | None], count: int
+) -> None:
+    guest = gpu_pool if count == 1 else fill_pool()
+    name = generate_name("t")
+    done = vmsandbox("--json", "create", name, "--gpu", str(count), *SMALL, "--no-refill")
+    try:
+        assert done.returncode == 0, f"claim failed:\n{done.stdout}\n{done.stderr}"
+        sandbox = json_of(done)
+        assert sandbox["domain"] == f"vmsbx-{guest}" and sandbox["state"] == "ready"
+        assert len(sandbox["gpus"]) == count
+        assert sandbox["verification"]["ok"] is True
+        pairs = seen_ids(name)
+        wanted = [(g["vendor_id"], g["device_id"]) for g in sandbox["gpus"]]
+        assert all(pairs.count(ids) == 1 for ids in wanted)
+        held = [g["bdf"] for g in sandbox["gpus"]]
+        assert set(drivers(held).values()) == {"vfio-pci"}
+    finally:
+        destroyed = vmsandbox("destroy", name)
+    assert destroyed.returncode == 0, destroyed.stderr
+    assert drivers(list(cards)) == cards
+    assert leftovers(name) == [] and leftovers(guest) == []
+
+
+def test_kill_mid_attach_then_reconcile_gives_the_cards_back(
+    gpu_pool: str, cards: dict[str, str | None]
+) -> None:
+    guest = fill_pool()
+    name = generate_name("t")
+    create = (
+        f"echo $$ > {CRASH_PID}; "
+        f"exec {CRASH_CLI} attach create {name} --gpu 2 {' '.join(SMALL)} --no-refill"
+    )
+    proc = subprocess.Popen(
+        ["bash", str(NESTED), "exec", "--", "sh", "-c", create],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=nested_env(),
+    )
+    try:
+        wait_for_checkpoint(proc, "attach", timeout=300)
+        killed = inside("sh", "-c", f'kill -9 "$(cat {CRASH_PID})" && rm {CRASH_PID}')
+        assert killed.returncode == 0, killed.stderr
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert set(drivers(list(cards)).values()) == {
+        "vfio-pci"
+    }  # attached to the killed claim's guest
+    done = vmsandbox("--json", "reconcile")
+    assert done.returncode == 0, done.stderr
+    report = json_of(done)
+    assert report["problems"] == [] and report["removed"] == [name]
+    assert leftovers(name) == [] and leftovers(guest) == []
+    assert drivers(list(cards)) == cards

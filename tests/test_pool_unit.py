@@ -65,6 +65,8 @@ def test_a_count_names_the_image_and_a_table_names_a_shape() -> None:
         PoolShape("minimal", "minimal", 1, 1024, 4, 2),
         PoolShape("big", "minimal", 2, 1024, 4, 1),
     )
+    ready = parse_table({"gpu": {"image": "minimal", "gpus": 2}})
+    assert ready == (PoolShape("gpu", "minimal", 1, 1024, 4, 1, gpus=2),)
 
 
 @pytest.mark.parametrize(
@@ -72,7 +74,10 @@ def test_a_count_names_the_image_and_a_table_names_a_shape() -> None:
     [
         ({"minimal": "two"}, "pool.minimal"),
         ({"minimal": -1}, "pool.minimal.count"),
-        ({"big": {"image": "minimal", "gpus": 1}}, "pool.big.gpus"),
+        ({"big": {"image": "minimal", "gpu": 1}}, "pool.big.gpu"),
+        ({"big": {"image": "minimal", "gpus": -1}}, "pool.big.gpus"),
+        ({"big": {"image": "minimal", "gpus": True}}, "pool.big.gpus"),
+        ({"big": {"image": "minimal", "gpus": "2"}}, "pool.big.gpus"),
         ({"big": {"image": "minimal", "cpus": 0}}, "pool.big.cpus"),
         ({"minimal": 1, "again": {"image": "minimal"}}, "pool.again"),
     ],

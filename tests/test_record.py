@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from vmsandbox import credential
 from vmsandbox.errors import FailedPrecondition
-from vmsandbox.record import SCHEMA_VERSION, GpuRecord, SandboxRecord
+from vmsandbox.record import SCHEMA_VERSION, GpuRecord, HotplugRecord, SandboxRecord
 
 # A record as vmsandbox wrote it before the schema had a version (state inside, no "version").
 VERSION_1 = {
@@ -88,7 +90,7 @@ def test_a_version_3_record_reads_unclaimed_and_a_claim_round_trips() -> None:
     claimed = SandboxRecord.from_dict({**old.to_dict(), "guest": "pool-1234abcd"})
     assert (claimed.stem, claimed.domain) == ("pool-1234abcd", "vmsbx-pool-1234abcd")
     assert SandboxRecord.from_dict(claimed.to_dict()) == claimed
-    assert claimed.to_dict()["version"] == SCHEMA_VERSION == 5
+    assert claimed.to_dict()["version"] == SCHEMA_VERSION == 6
 
 
 def test_a_version_4_record_reads_without_a_credential_and_version_5_keeps_its_digest() -> None:
@@ -99,3 +101,12 @@ def test_a_version_4_record_reads_without_a_credential_and_version_5_keeps_its_d
     new = SandboxRecord.from_dict({**old.to_dict(), "credential": stored})
     assert new.credential == stored and SandboxRecord.from_dict(new.to_dict()) == new
     assert new.to_dict()["version"] == SCHEMA_VERSION
+
+
+def test_a_version_4_record_has_no_spare_ports_and_a_gpu_ready_guest_round_trips() -> None:
+    """Version 6 adds the spare root ports of a GPU-ready pooled guest (hotplug.py)."""
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 4, "guest": "pool-1"})
+    assert old.hotplug is None and old.to_dict()["hotplug"] is None
+    ready = replace(old, hotplug=HotplugRecord(buses=(1, 2), firmware="bios"))
+    assert ready.to_dict()["hotplug"] == {"buses": [1, 2], "firmware": "bios"}
+    assert SandboxRecord.from_dict(ready.to_dict()) == ready

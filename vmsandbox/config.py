@@ -184,6 +184,7 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
         )
     for shape in config.pool:
         for what, value, cap in (
+            ("gpus", shape.gpus, config.max_gpus),
             ("cpus", shape.cpus, config.max_cpus),
             ("memory_mib", shape.memory_mib, config.max_memory_mib),
             ("disk_gib", shape.disk_gib, config.max_disk_gib),

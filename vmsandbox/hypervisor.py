@@ -90,8 +90,9 @@ class Stored:
 
 class Hypervisor(Protocol):
     """What the manager asks of a hypervisor. Every method names the domain; ``stop``,
-    ``shutdown`` (the guest's ACPI power button) and ``undefine`` succeed when there is nothing
-    to do."""
+    ``shutdown`` (the guest's ACPI power button), ``undefine`` and ``detach`` succeed when
+    there is nothing to do. ``attach``/``detach`` take a device's XML (a GPU-ready pooled
+    guest's hostdevs, hotplug.py)."""
 
     def define(self, xml: str) -> None: ...
     def start(self, domain: str) -> None: ...
@@ -105,6 +106,8 @@ class Hypervisor(Protocol):
     def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None: ...
     def lease_address(self, domain: str) -> str | None: ...
     def hostdev_holders(self) -> dict[str, str]: ...
+    def attach(self, domain: str, xml: str) -> None: ...
+    def detach(self, domain: str, xml: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -259,6 +262,30 @@ class LibvirtHypervisor:
 
         with libvirt_errors("reading which domains hold PCI devices"):
             return libvirt_hostdev_holders(self.conn)
+
+    def attach(self, domain: str, xml: str) -> None:
+        """Add device ``xml`` to the running domain and to its definition (a stopped and
+        restarted sandbox keeps it, as a cold-made one keeps its hostdevs)."""
+        dom = self._domain(domain)
+        with libvirt_errors(f"attaching a device to {_what(domain)}"):
+            dom.attachDeviceFlags(xml, _LIVE_AND_CONFIG)
+
+    def detach(self, domain: str, xml: str) -> None:
+        """Remove device ``xml`` from the running domain and its definition; libvirt gives a
+        managed hostdev back to its host driver once the guest has let it go. Succeeds when
+        the domain is gone or does not hold the device."""
+        try:
+            self.conn.lookupByName(domain).detachDeviceFlags(xml, _LIVE_AND_CONFIG)
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() not in (
+                libvirt.VIR_ERR_NO_DOMAIN,
+                libvirt.VIR_ERR_DEVICE_MISSING,
+                libvirt.VIR_ERR_OPERATION_INVALID,  # not running
+            ):
+                raise translate(exc, f"detaching a device from {_what(domain)}") from exc
+
+
+_LIVE_AND_CONFIG = libvirt.VIR_DOMAIN_AFFECT_LIVE | libvirt.VIR_DOMAIN_AFFECT_CONFIG
 
 
 def _what(domain: str) -> str:

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from vmsandbox.allocator import Allocation
     from vmsandbox.config import Config
     from vmsandbox.host.model import Gpu
+    from vmsandbox.hotplug import HotplugPlan
 
 # Tries at starting QEMU when the forwarded SSH port was taken between choosing and starting.
 PORT_TRIES = 3
@@ -102,10 +103,14 @@ class Creation(Remains):
     planned: plan.SandboxPlan | None = None
     endpoint: Endpoint | None = None
     boot_seconds: float | None = None
-    # The warm pool: whether the fill's shape has room (under the lock), and the pooled guest
-    # a claim takes (under the lock; None when there is none ready).
+    # The warm pool: whether the fill's shape has room (under the lock), the pooled guest a
+    # claim takes (under the lock; None when there is none ready), and the spare root ports a
+    # GPU-ready shape's guest boots with (hotplug.py).
     room: Callable[[], bool] = lambda: False
     take_pooled: Callable[[], SandboxRecord | None] = lambda: None
+    hotplug: HotplugPlan | None = None
+    # How commands run in the guest (guest.run; the unit tests hand in a fake guest).
+    guest_run: Callable[..., guest.ExecResult] = guest.run
 
     @property
     def gpus(self) -> list[Gpu]:
@@ -194,6 +199,7 @@ def _define(c: Creation) -> None:
         host_cpus=c.host_cpus() if c.gpus else None,
         files=c.files,
         creator=ProcessIdentity.current(),
+        hotplug=c.hotplug,
     )
     c.record = c.planned.record
     c.hypervisor.define(c.planned.xml())
@@ -244,14 +250,19 @@ def _verify(c: Creation) -> None:
     c.record = replace(c.record, verification=report)
 
 
-def verify_guest(record: SandboxRecord, endpoint: Endpoint, files: SandboxFiles) -> dict[str, Any]:
+def verify_guest(
+    record: SandboxRecord,
+    endpoint: Endpoint,
+    files: SandboxFiles,
+    guest_run: Callable[..., guest.ExecResult] = guest.run,
+) -> dict[str, Any]:
     """The in-guest verification report of a booted sandbox's GPUs (and of their NVLink
-    fabric when they talk through NVSwitches)."""
+    fabric when they talk through NVSwitches), its commands run by ``guest_run``."""
     from vmsandbox import verify
 
     keys = files.keys(record.host_key_alias)
     expected = [verify.ExpectedGpu.of(gpu) for gpu in record.gpus]
-    run = functools.partial(guest.run, endpoint, keys)
+    run = functools.partial(guest_run, endpoint, keys)
     return verify.verify(run, expected, fabric=record.on_fabric).to_dict()
 
 

@@ -126,8 +126,8 @@ class SandboxManager:
         checked from inside the guest; a failed check raises GuestVerificationFailed and
         removes the sandbox unless ``keep_on_failure``.
 
-        A started spec of a ``[pool]`` shape claims a ready pooled guest if there is one, then
-        (``refill``) starts a background ``vmsandbox pool fill``; else it boots cold.
+        A started spec of a ``[pool]`` shape claims a ready pooled guest (GPUs attached live),
+        then (``refill``) starts a background ``vmsandbox pool fill``; else it boots cold.
 
         Any failure undoes every step this call made (lifecycle.py) before the error
         propagates, which also frees the GPUs it had chosen.
@@ -139,11 +139,11 @@ class SandboxManager:
         image = self.images.get(spec.image)
         planner.check_disk(spec, image)
         name = spec.name or generate_name()
-        claimed = self.pool.claim(spec, name, image, say) if start else None
-        if claimed is not None:
+        claim = start and self.pool.claim(spec, name, image, say, verify, keep_on_failure)
+        if claim:
             if refill:
                 self.pool.refill_in_background()
-            return claimed
+            return claim
         creation = lifecycle.Creation(
             hypervisor=self.hypervisor,
             name=name,
@@ -154,7 +154,7 @@ class SandboxManager:
             virt_type=virt.for_sandbox(spec.virt_type, self.config, image.kernel, say),
             progress=say,
             exists=lambda n: self.store.lookup(n) is not None,
-            allocate=functools.partial(self._allocate, spec),
+            allocate=functools.partial(self.allocate, spec),
             free_port=self.store.free_port,
             host_cpus=host_cpus_by_node,
             timeout=timeout,
@@ -196,7 +196,7 @@ class SandboxManager:
             image = None
         virt_type = virt.for_sandbox(spec.virt_type, self.config, None, self.progress)
         with self.locked():
-            chosen = self._allocate(spec)
+            chosen = self.allocate(spec)
             port = self.store.free_port() if self.config.network == "user" else None
         planned = planner.plan(
             spec,
@@ -210,7 +210,7 @@ class SandboxManager:
         )
         return planned.xml(), list(planned.gpus)
 
-    def _allocate(self, spec: SandboxSpec) -> Allocation | None:
+    def allocate(self, spec: SandboxSpec) -> Allocation | None:
         """Under the host lock: the GPUs for ``spec`` (None: it asks for none), free on every
         domain of the connection; on NVSwitch boards with their Fabric Manager partition (FM's
         table is read now) or, in full passthrough, the NVSwitches."""

@@ -25,6 +25,7 @@ from vmsandbox.record import (
     DOMAIN_PREFIX,
     STATE_CREATING,
     GpuRecord,
+    HotplugRecord,
     SandboxFiles,
     SandboxRecord,
     SshRecord,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from vmsandbox.allocator import Allocation
     from vmsandbox.config import Config
     from vmsandbox.host.model import Gpu
+    from vmsandbox.hotplug import HotplugPlan
     from vmsandbox.spec import SandboxSpec
 
 LOOPBACK = "127.0.0.1"
@@ -75,6 +77,7 @@ def plan(
     files: SandboxFiles | None = None,
     creator: ProcessIdentity | None = None,
     created_at: str | None = None,
+    hotplug: HotplugPlan | None = None,
 ) -> SandboxPlan:
     """The plan of sandbox ``name`` (``image`` None: where an unbuilt image will be).
 
@@ -82,7 +85,8 @@ def plan(
     ``host_cpus`` the host's CPUs per NUMA node, for pinning GPU sandboxes. ``allocation``
     (None: no GPUs) gives the GPUs and, on NVSwitch boards, the NVSwitches passed along (full
     passthrough) or the Fabric Manager partition that connects them (shared mode); the record
-    names both.
+    names both. ``hotplug`` (a GPU-less pooled guest only): spare root ports for GPUs attached
+    later, with the boot settings they need (hotplug.py).
     """
     files = files or SandboxFiles.of(config, name)
     gpus = allocation.gpus if allocation else ()
@@ -109,6 +113,7 @@ def plan(
         gpus=tuple(GpuRecord.of(gpu) for gpu in gpus),
         fabric_partition=partition.id if partition else None,
         switches=tuple(switches),
+        hotplug=_hotplug_record(hotplug),
     )
     image_dir = image.path if image else config.images / spec.image / "current"
     domain = domain_xml.DomainPlan(
@@ -130,6 +135,12 @@ def plan(
         ssh_port=port,
         guest_outbound=config.guest_outbound,
     )
+    firmware = None
+    if hotplug is not None:
+        from vmsandbox import hotplug as spare
+
+        domain = replace(domain, extra=[functools.partial(spare.apply, plan=hotplug)])
+        firmware = hotplug.firmware
     if gpus:
         from vmsandbox import passthrough
 
@@ -144,15 +155,24 @@ def plan(
             firmware=config.gpu_firmware,
         )
         domain = replace(domain, extra=[functools.partial(passthrough.apply, plan=devices)])
-        if devices.firmware == "uefi":
-            domain = replace(
-                domain,
-                uefi=True,
-                nvram=files.nvram,
-                ovmf_code=config.ovmf_code,
-                ovmf_vars=config.ovmf_vars,
-            )
+        firmware = devices.firmware
+    if firmware == "uefi":
+        domain = replace(
+            domain,
+            uefi=True,
+            nvram=files.nvram,
+            ovmf_code=config.ovmf_code,
+            ovmf_vars=config.ovmf_vars,
+        )
     return SandboxPlan(record=record, files=files, domain=domain, gpus=gpus)
+
+
+def _hotplug_record(hotplug: HotplugPlan | None) -> HotplugRecord | None:
+    if hotplug is None:
+        return None
+    from vmsandbox.hotplug import port_indexes
+
+    return HotplugRecord(buses=port_indexes(hotplug.ports), firmware=hotplug.firmware)
 
 
 def with_port(planned: SandboxPlan, port: int) -> SandboxPlan:

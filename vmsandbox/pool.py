@@ -12,16 +12,25 @@ cpus, memory and disk; an entry names it two ways:
     memory_mib = 4096
     disk_gib = 16
     count = 1
+    gpus = 2                    # GPU-ready: 2 spare root ports, a create --gpu 1 or 2 claims
+                                # a guest and has its GPUs attached live (hotplug.py)
 
 A pooled guest is an ordinary sandbox domain named ``vmsbx-pool-<id>`` (its files carry
 ``pool-<id>`` too), in state ``pooled``; it holds no GPU. A create whose spec has the same
 shape, no GPU and the same image build claims one: the record takes the sandbox's name and
 keeps the guest's name in ``guest`` (libvirt cannot rename a running domain), so every command
 finds the sandbox by the name in its record. A claimed guest never returns to the pool.
+
+A shape with ``gpus`` (the largest GPU request it serves) boots its guests with that many
+spare root ports when the host has bindable GPUs. A create asking for at most that many GPUs,
+and for nothing else the shape differs in, then claims one: the GPUs are chosen as for a cold
+create and attached to the running guest (warmpool.py). A request for more GPUs, for every
+GPU (``all``), or one made on a host whose pooled guests have no spare ports, boots cold.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +38,7 @@ from vmsandbox.errors import InvalidArgument
 from vmsandbox.spec import SandboxSpec, generate_name
 
 POOL_PREFIX = "pool-"
-_SHAPE_KEYS = ("image", "cpus", "memory_mib", "disk_gib", "count")
+_SHAPE_KEYS = ("image", "cpus", "memory_mib", "disk_gib", "count", "gpus")
 
 
 class NoPooledGuest(Exception):
@@ -50,6 +59,7 @@ class PoolShape:
     memory_mib: int
     disk_gib: int
     count: int
+    gpus: int = 0
 
     def spec(self) -> SandboxSpec:
         """The spec a pooled guest of this shape is created with."""
@@ -62,10 +72,11 @@ class PoolShape:
         )
 
     def fits(self, spec: SandboxSpec) -> bool:
-        """Whether a guest of this shape can serve ``spec``: GPU sandboxes never can, nor
-        can specs with guest setup (the pooled guest's first boot is over)."""
+        """Whether a guest of this shape can serve ``spec``: a GPU sandbox only when the shape
+        is GPU-ready for that many GPUs (``wanted_gpus``); never a spec with guest setup (the
+        pooled guest's first boot is over)."""
         return (
-            spec.gpu is None
+            wanted_gpus(spec) <= self.gpus
             and spec.guest is None
             and spec.image == self.image
             and (spec.cpus, spec.memory_mib, spec.disk_gib)
@@ -89,7 +100,19 @@ class PoolShape:
             "memory_mib": self.memory_mib,
             "disk_gib": self.disk_gib,
             "count": self.count,
+            "gpus": self.gpus,
         }
+
+
+def wanted_gpus(spec: SandboxSpec) -> int:
+    """How many GPUs ``spec`` asks for, as far as the spec tells: a request for every GPU
+    counts as more than any shape serves (it is only known once the host is read)."""
+    request = spec.gpu
+    if request is None:
+        return 0
+    if request.all:
+        return sys.maxsize
+    return request.count or len(request.devices) or 1
 
 
 def check_not_pooled_name(name: str | None) -> None:
@@ -149,12 +172,8 @@ def _shape(key: str, value: object) -> PoolShape:
             f"{', '.join(_SHAPE_KEYS)}, got {value!r}",
             details={"field": field, "value": repr(value)},
         )
-    count = entry.get("count", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise InvalidArgument(
-            f"config {field}.count must be a whole number of guests, 0 or more, got {count!r}",
-            details={"field": f"{field}.count", "value": repr(count)},
-        )
+    count = _whole(entry.get("count", 1), f"{field}.count", "guests")
+    gpus = _whole(entry.get("gpus", 0), f"{field}.gpus", "spare GPU ports")
     try:
         spec = SandboxSpec(
             image=entry["image"],
@@ -168,4 +187,14 @@ def _shape(key: str, value: object) -> PoolShape:
             f"config {field}: {exc.message}",
             details={**exc.details, "field": f"{field}.{inner}" if inner else field},
         ) from exc
-    return PoolShape(key, spec.image, spec.cpus, spec.memory_mib, spec.disk_gib, count)
+    return PoolShape(key, spec.image, spec.cpus, spec.memory_mib, spec.disk_gib, count, gpus)
+
+
+def _whole(value: object, field: str, what: str) -> int:
+    """``value`` as a count of ``what``, 0 or more; INVALID_ARGUMENT naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(
+            f"config {field} must be a whole number of {what}, 0 or more, got {value!r}",
+            details={"field": field, "value": repr(value)},
+        )
+    return value

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 # 3: ``failure`` and ``starter`` (stop/start and readiness of the OpenShell driver).
 # 4: ``guest``, the pooled guest a sandbox was claimed from (state ``pooled``, pool.py).
 # 5: ``credential``, the salted digest of a secret the guest holds (credential.py).
-SCHEMA_VERSION = 5
+# 6: ``hotplug``, the spare root ports of a GPU-ready pooled guest (hotplug.py).
+SCHEMA_VERSION = 6
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
@@ -92,6 +93,26 @@ class GpuRecord:
 
 
 @dataclass(frozen=True)
+class HotplugRecord:
+    """The spare root ports a GPU-ready pooled guest booted with (hotplug.py): their controller
+    indexes in port order (a hostdev attached to port ``i`` names ``buses[i]`` as its bus), and
+    the guest's firmware (a hostdev under SeaBIOS goes without its option ROM)."""
+
+    buses: tuple[int, ...]
+    firmware: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"buses": list(self.buses), "firmware": self.firmware}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HotplugRecord:
+        return cls(
+            buses=tuple(int(bus) for bus in data.get("buses", ())),
+            firmware=str(data.get("firmware", "bios")),
+        )
+
+
+@dataclass(frozen=True)
 class SshRecord:
     """Where the guest's sshd is reached: a forwarded loopback port, or its DHCP address."""
 
@@ -135,6 +156,8 @@ class SandboxRecord:
     # The salted digest of a secret the guest holds (the OpenShell sandbox token), by which
     # the driver's AuthenticateSandbox recognises the sandbox; never the secret itself.
     credential: str | None = None
+    # A GPU-ready pooled guest's spare root ports (a claim attaches GPUs to them).
+    hotplug: HotplugRecord | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -178,6 +201,7 @@ class SandboxRecord:
             "starter": self.starter.to_dict() if self.starter else None,
             "guest": self.guest,
             "credential": self.credential,
+            "hotplug": self.hotplug.to_dict() if self.hotplug else None,
         }
 
     @classmethod
@@ -185,7 +209,7 @@ class SandboxRecord:
         """Read a stored record; version 1 (no ``version`` key) fills what it lacked, and so do
         records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``),
         version 2 (no ``failure``, no ``starter``), version 3 (no ``guest``) and version 4 (no
-        ``credential``).
+        ``credential``) and version 5 (no ``hotplug``).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -202,6 +226,7 @@ class SandboxRecord:
         creator = data.get("creator")
         starter = data.get("starter")
         failure = data.get("failure")
+        hotplug = data.get("hotplug")
         return cls(
             name=name,
             image=str(data.get("image", "?")),
@@ -232,6 +257,7 @@ class SandboxRecord:
             starter=ProcessIdentity.from_dict(starter) if isinstance(starter, dict) else None,
             guest=str(data["guest"]) if data.get("guest") else None,
             credential=str(data["credential"]) if data.get("credential") else None,
+            hotplug=HotplugRecord.from_dict(hotplug) if isinstance(hotplug, dict) else None,
             version=SCHEMA_VERSION,
         )
 

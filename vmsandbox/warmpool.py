@@ -6,7 +6,9 @@ locked check that the shape's pool has room, ending in state ``pooled``), and ``
 turn a pooled guest into the sandbox (a locked step that takes one and rewrites its record,
 then its hostname over SSH). Both leave a record in state ``creating`` while they work, so a
 killed fill or claim is taken apart by reconcile like a killed create. Pooled guests hold no
-GPU, so the fabric step of a fill has nothing to do and a claim has none.
+GPU, so the fabric step of a fill has nothing to do. A GPU sandbox claims a GPU-ready guest
+(spare root ports, hotplug.py) through ``GPU_CLAIM_STEPS``: its GPUs are chosen and attached
+live, seen and verified (gpuclaim.py).
 """
 
 from __future__ import annotations
@@ -17,15 +19,22 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from vmsandbox import guest, lifecycle, virt
+from vmsandbox import gpuclaim, guest, hotplug, lifecycle, virt
 from vmsandbox.errors import FailedPrecondition, NotFound
 from vmsandbox.guest import Endpoint
 from vmsandbox.pool import NoPooledGuest, PoolFull, PoolShape, is_pool_guest
 from vmsandbox.process import ProcessIdentity
-from vmsandbox.record import STATE_CREATING, STATE_POOLED, SandboxFiles, SandboxRecord
+from vmsandbox.record import (
+    STATE_CREATING,
+    STATE_POOLED,
+    GpuRecord,
+    SandboxFiles,
+    SandboxRecord,
+)
 
 if TYPE_CHECKING:
     from vmsandbox.images import BaseImage
@@ -64,12 +73,14 @@ def _pooled(c: lifecycle.Creation) -> None:
 
 def _claim(c: lifecycle.Creation) -> None:
     """Take a ready pooled guest of the spec's shape and make it this sandbox: its record gets
-    the sandbox's name, labels, credential and creator (state creating until the hostname is
-    set)."""
+    the sandbox's name, labels, credential and creator, and the GPUs chosen for it (before any
+    is attached: a killed claim leaves a record that says what to give back), state creating
+    until it is ready."""
     found = c.take_pooled()
     if found is None:
         raise NoPooledGuest(c.spec.image)
     c.files = SandboxFiles.of(c.config, found.stem)  # from here on undos remove that guest
+    partition = c.allocation.partition if c.allocation else None
     c.record = replace(
         found,
         name=c.name,
@@ -78,6 +89,8 @@ def _claim(c: lifecycle.Creation) -> None:
         credential=c.spec.credential,
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         creator=ProcessIdentity.current(),
+        gpus=tuple(GpuRecord.of(gpu) for gpu in c.gpus),
+        fabric_partition=partition.id if partition else None,
     )
     c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING)
 
@@ -99,7 +112,7 @@ def _hostname(c: lifecycle.Creation) -> None:
     )
     command = f"sudo sh -c {shlex.quote(script)}"
     started = time.monotonic()
-    result = guest.run(c.endpoint, c.files.keys(c.record.host_key_alias), command, timeout=60)
+    result = c.guest_run(c.endpoint, c.files.keys(c.record.host_key_alias), command, timeout=60)
     if result.exit_status != 0:
         raise FailedPrecondition(
             f"setting the hostname of sandbox {c.name!r} in pooled guest {c.files.name!r} "
@@ -133,6 +146,19 @@ CLAIM_STEPS: tuple[lifecycle.Step, ...] = (
     lifecycle.Step("hostname", _hostname),
     _create_step("ready"),
 )
+# Claiming a GPU-ready pooled guest for a GPU sandbox (gpuclaim.py): GPUs chosen and the
+# partition activated as in a create, the guest taken, the GPUs attached, seen and verified.
+GPU_CLAIM_STEPS: tuple[lifecycle.Step, ...] = (
+    _create_step("reserve"),
+    lifecycle.Step("gpus", gpuclaim.allocate, locked=True),
+    _create_step("fabric"),
+    lifecycle.Step("claim", _claim, _remove_guest, locked=True),
+    lifecycle.Step("attach", gpuclaim.attach, gpuclaim.detach, locked=True),
+    lifecycle.Step("hostname", _hostname),
+    lifecycle.Step("seen", gpuclaim.seen),
+    lifecycle.Step("verify", gpuclaim.verified),
+    _create_step("ready"),
+)
 
 
 # -- the pool of one manager ----------------------------------------------------------------------
@@ -144,11 +170,14 @@ class WarmPool:
     def __init__(self, manager: SandboxManager) -> None:
         self.manager = manager
         self.config = manager.config
+        # How a claim runs commands in its guest (the unit tests hand in a fake guest).
+        self.guest_run: Callable[..., guest.ExecResult] = guest.run
 
     def creation(
         self, spec: SandboxSpec, name: str, image: BaseImage, say: Progress
     ) -> lifecycle.Creation:
-        """A pool path's creation (fill or claim): no GPUs, waited for."""
+        """A pool path's creation (fill or claim), waited for; the GPUs of a GPU claim are
+        chosen by the manager's allocator."""
         m = self.manager
         return lifecycle.Creation(
             hypervisor=m.hypervisor,
@@ -160,37 +189,37 @@ class WarmPool:
             virt_type=virt.for_sandbox(spec.virt_type, self.config, image.kernel, say),
             progress=say,
             exists=lambda n: m.store.lookup(n) is not None,
-            allocate=lambda: None,  # pooled guests hold no GPU
+            allocate=lambda: m.allocate(spec),  # pooled guests hold none; a GPU claim does
             free_port=m.store.free_port,
-            host_cpus=dict,  # CPUs are pinned next to GPUs; a pooled guest has none
-            verify=False,
+            # A pooled guest boots before its GPUs are known: never pinned to their NUMA node.
+            host_cpus=dict,
+            verify=False,  # a GPU claim sets it (claim's ``verify``)
+            guest_run=self.guest_run,
         )
 
     def claim(
-        self, spec: SandboxSpec, name: str, image: BaseImage, say: Progress
+        self,
+        spec: SandboxSpec,
+        name: str,
+        image: BaseImage,
+        say: Progress,
+        verify: bool = True,
+        keep: bool = False,
     ) -> Sandbox | None:
-        """Claim a ready pooled guest of the spec's shape as sandbox ``name``; None when the
-        spec has no shape or none of its guests is ready (the caller boots cold)."""
+        """Claim a ready pooled guest of the spec's shape as sandbox ``name``, with the GPUs
+        it asks for attached (``verify``: and verified in the guest); None when the spec has
+        no shape or none of its guests is ready with enough spare ports, and for a GPU spec
+        that asks to ``keep`` a sandbox whose verification failed (a claim takes a failed
+        guest apart): the caller boots cold."""
         shape = next((shape for shape in self.config.pool if shape.fits(spec)), None)
-        if shape is None:
+        if shape is None or (keep and spec.gpu is not None):
             return None
         m = self.manager
-        creation = self.creation(spec, name, image, say)
-
-        def take() -> SandboxRecord | None:
-            for record, state in self.guests():
-                if (
-                    state == STATE_POOLED
-                    and shape.holds(record)
-                    and record.image_id == image.id
-                    and record.virt_type == creation.virt_type
-                ):
-                    return record
-            return None
-
-        creation.take_pooled = take
+        creation = self.claiming(shape, spec, name, image, say)
+        creation.verify = verify
+        steps = GPU_CLAIM_STEPS if spec.gpu is not None else CLAIM_STEPS
         try:
-            lifecycle.run(CLAIM_STEPS, creation, m.locked, m.checkpoint)
+            lifecycle.run(steps, creation, m.locked, m.checkpoint)
         except NoPooledGuest:
             say(f"no pooled guest of shape {shape.key!r} is ready; booting one")
             return None
@@ -199,6 +228,29 @@ class WarmPool:
         sandbox.boot_seconds = creation.boot_seconds
         say(f"sandbox {name} is {creation.state} (pooled guest {creation.files.name})")
         return sandbox
+
+    def claiming(
+        self, shape: PoolShape, spec: SandboxSpec, name: str, image: BaseImage, say: Progress
+    ) -> lifecycle.Creation:
+        """The creation of a claim of a ready guest of ``shape`` as sandbox ``name``: it takes
+        one of the image's build and virt type with a spare port per GPU chosen."""
+        creation = self.creation(spec, name, image, say)
+
+        def take() -> SandboxRecord | None:
+            for record, state in self.guests():
+                ports = len(record.hotplug.buses) if record.hotplug else 0
+                if (
+                    state == STATE_POOLED
+                    and shape.holds(record)
+                    and record.image_id == image.id
+                    and record.virt_type == creation.virt_type
+                    and ports >= len(creation.gpus)
+                ):
+                    return record
+            return None
+
+        creation.take_pooled = take
+        return creation
 
     def refill_in_background(self) -> None:
         """Start ``vmsandbox pool fill`` as a process of its own (not waited for; it outlives
@@ -267,17 +319,37 @@ class WarmPool:
             held = [r for r, _s in self.guests() if shape.holds(r) and r.image_id == image.id]
             return len(held) < shape.count
 
+        ports: hotplug.HotplugPlan | None = None
         while True:
             spec = shape.spec()
             assert spec.name is not None
             creation = self.creation(spec, spec.name, image, say)
             creation.room = room
+            if shape.gpus and ports is None:
+                ports = self.spare_ports(shape, creation.virt_type)
+            creation.hotplug = ports
             try:
                 lifecycle.run(FILL_STEPS, creation, m.locked, m.checkpoint)
             except PoolFull:
                 return made
             say(f"pooled guest {spec.name} is ready")
             made.append(spec.name)
+
+    def spare_ports(self, shape: PoolShape, virt_type: str) -> hotplug.HotplugPlan | None:
+        """The spare root ports of a GPU-ready shape's guests, sized from this host's
+        bindable GPUs; None (a plain pooled guest) when the host has none."""
+        gpus = [gpu for gpu in self.manager.gpus().gpus if gpu.bindable]
+        planned = hotplug.plan(
+            gpus,
+            shape.gpus,
+            vcpus=shape.cpus,
+            memory_mib=shape.memory_mib,
+            virt_type=virt_type,
+            firmware=self.config.gpu_firmware,
+        )
+        if planned is None:
+            self.manager.progress(f"pool.{shape.key}: no bindable GPU here, no spare GPU ports")
+        return planned
 
     def drain(self) -> list[str]:
         """Remove every unclaimed pooled guest (ready or booting); returns their names."""
