@@ -284,29 +284,6 @@ def test_kill_at_each_create_stage_then_reconcile_restores_everything(
     assert drivers(list(cards)) == cards
 
 
-def test_card_held_by_a_host_process_is_not_bindable(cards: dict[str, str | None]) -> None:
-    [held] = [bdf for bdf, driver in cards.items() if driver == "radeon"]
-    node = inside("sh", "-c", f"ls /sys/bus/pci/devices/{held}/drm | grep ^card")
-    assert node.returncode == 0, node.stderr
-    hold = f"sleep 600 </dev/dri/{node.stdout.strip()} >/dev/null 2>&1 & echo $!"
-    pid = inside("sh", "-c", hold).stdout.strip()
-    try:
-        gpus = {gpu["bdf"]: gpu for gpu in inventory()["gpus"]}
-        assert gpus[held]["bindable"] is False
-        assert gpus[held]["reasons"] == [f"host processes hold it open: pid {pid} (sleep)"]
-        name = generate_name("t")
-        done = vmsandbox("--json", "create", name, "--gpu-device", held, *SMALL)
-        assert done.returncode == 5, done.stdout + done.stderr
-        error = json_of(done)["error"]
-        assert error["code"] == "FAILED_PRECONDITION"
-        assert f"pid {pid} (sleep)" in error["message"]
-        assert leftovers(name) == []
-    finally:
-        with contextlib.suppress(subprocess.SubprocessError):
-            inside("kill", pid)
-    assert drivers(list(cards)) == cards
-
-
 # -- GPU-ready pooled guests: GPUs attached live to a booted L2 (hotplug.py, gpuclaim.py) ------
 
 POOL_CONFIG = "/etc/vmsandbox/config.toml"  # the nested image's; names its image store
@@ -443,4 +420,34 @@ def test_kill_mid_attach_then_reconcile_gives_the_cards_back(
     report = json_of(done)
     assert report["problems"] == [] and report["removed"] == [name]
     assert leftovers(name) == [] and leftovers(guest) == []
+    assert drivers(list(cards)) == cards
+
+
+# -- last: after the holder exits, L1's radeon driver cannot be trusted with the card --------
+# The holder's exit is the card's last close, and radeon then restores its console mode on the
+# emulated RV100: L1's kernel oopses in r100_bandwidth_update (a divide error, with DRM locks
+# held), and a later detach of the card from radeon hangs. The emulated card's registers, not
+# vmsandbox, are at fault; the module stops L1 right after this test.
+
+
+def test_card_held_by_a_host_process_is_not_bindable(cards: dict[str, str | None]) -> None:
+    [held] = [bdf for bdf, driver in cards.items() if driver == "radeon"]
+    node = inside("sh", "-c", f"ls /sys/bus/pci/devices/{held}/drm | grep ^card")
+    assert node.returncode == 0, node.stderr
+    hold = f"sleep 600 </dev/dri/{node.stdout.strip()} >/dev/null 2>&1 & echo $!"
+    pid = inside("sh", "-c", hold).stdout.strip()
+    try:
+        gpus = {gpu["bdf"]: gpu for gpu in inventory()["gpus"]}
+        assert gpus[held]["bindable"] is False
+        assert gpus[held]["reasons"] == [f"host processes hold it open: pid {pid} (sleep)"]
+        name = generate_name("t")
+        done = vmsandbox("--json", "create", name, "--gpu-device", held, *SMALL)
+        assert done.returncode == 5, done.stdout + done.stderr
+        error = json_of(done)["error"]
+        assert error["code"] == "FAILED_PRECONDITION"
+        assert f"pid {pid} (sleep)" in error["message"]
+        assert leftovers(name) == []
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError):
+            inside("kill", pid)
     assert drivers(list(cards)) == cards
