@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -272,6 +273,7 @@ def supervised(config: Config) -> Iterator[tuple[Path, LineGateway]]:
             yield path, gateway
     finally:
         gateway.close()
+        shutil.rmtree(folder)  # the state directory is the module's: the next user starts clean
 
 
 def test_with_a_supervisor_the_gateway_waits_for_its_callback_on_loopback(
