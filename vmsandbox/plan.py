@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from vmsandbox.spec import SandboxSpec
 
 LOOPBACK = "127.0.0.1"
+UNIX_PATH_MAX = 107  # bytes of a UNIX socket's path (sun_path less its final NUL)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ def plan(
         mac=mac,
         ssh_port=port,
         guest_outbound=config.guest_outbound,
+        control_socket=files.control if _control_fits(image, files) else None,
     )
     if gpus:
         from vmsandbox import passthrough
@@ -153,6 +155,12 @@ def plan(
                 ovmf_vars=config.ovmf_vars,
             )
     return SandboxPlan(record=record, files=files, domain=domain, gpus=gpus)
+
+
+def _control_fits(image: BaseImage | None, files: SandboxFiles) -> bool:
+    """A control channel for images whose guest serves one, where its socket's path fits a
+    UNIX socket address (107 bytes); without it a pool claim sets the hostname over SSH."""
+    return image is not None and image.has_control and len(bytes(files.control)) <= UNIX_PATH_MAX
 
 
 def with_port(planned: SandboxPlan, port: int) -> SandboxPlan:
