@@ -142,6 +142,7 @@ def channel(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     yield path, names
+    server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (a close alone would not)
     server.close()
     thread.join()
 
@@ -204,7 +205,7 @@ def test_no_socket_or_not_a_socket_is_a_failed_precondition(tmp_path: Path) -> N
 def test_the_request_loop_answers_each_line_and_drops_an_overlong_one() -> None:
     """serve() in a child process of its own on one end of a socket pair (a stand-in for the
     port; its hostname writes go to a pipe): requests split across writes, two in one write,
-    a refused one, and one longer than REQUEST_MAX."""
+    a refused one, and one longer than REQUEST_MAX (answered once, the rest of it dropped)."""
     host, port = socket.socketpair()
     names_r, names_w = os.pipe()
     child = os.fork()
@@ -217,11 +218,12 @@ def test_the_request_loop_answers_each_line_and_drops_an_overlong_one() -> None:
     port.close()
     os.close(names_w)
     try:
+        host.settimeout(30)  # a loop that stopped answering fails the test, never hangs it
         reader = host.makefile("rb")
         host.sendall(b"hostname bo")
         host.sendall(b"x-1\nhostname x;id\nhostname y\n")
         assert [reader.readline() for _ in range(3)][::2] == [b"ok\n", b"ok\n"]
-        host.sendall(b"hostname " + b"a" * guest_control.REQUEST_MAX)
+        host.sendall(b"hostname " + b"a" * guest_control.REQUEST_MAX + b"\n")
         assert reader.readline().startswith(b"error: a request is at most")
         host.sendall(b"reboot\n")
         assert reader.readline().startswith(b"error: unknown request 'reboot'")

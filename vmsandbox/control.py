@@ -22,11 +22,13 @@ TIMEOUT_S = 5.0
 ANSWER_MAX = 512  # bytes of one answer line
 
 
-def set_hostname(path: Path, name: str, *, guest: str, timeout: float = TIMEOUT_S) -> None:
+def set_hostname(path: Path, name: str, *, guest: str, timeout: float | None = None) -> None:
     """Ask the guest behind ``path`` to take ``name`` as its hostname. INVALID_ARGUMENT for a
-    name outside the grammar, DEADLINE_EXCEEDED when no answer comes within ``timeout``,
-    FAILED_PRECONDITION when the socket is not there or the guest answers an error."""
+    name outside the grammar, DEADLINE_EXCEEDED when no answer comes within ``timeout``
+    (TIMEOUT_S by default), FAILED_PRECONDITION when the socket is not there or the guest
+    answers an error."""
     validate_name(name)
+    timeout = TIMEOUT_S if timeout is None else timeout
     details = {"guest": guest, "socket": str(path)}
     try:
         info = os.lstat(path)

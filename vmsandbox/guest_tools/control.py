@@ -119,19 +119,25 @@ def serve(fd: int, apply: Callable[[str], None] = set_hostname) -> None:
     fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
     pending = b""
+    overlong = False  # the rest of a line already answered as too long is dropped
     while True:
         chunk = os.read(fd, REQUEST_MAX)
         if not chunk:  # the host end is closed: what it left unfinished is dropped
-            pending = b""
+            pending, overlong = b"", False
             signal.sigtimedwait({signal.SIGIO}, IDLE_WAIT_S)
             continue
         pending += chunk
+        if overlong:
+            if b"\n" not in pending:
+                pending = b""
+                continue
+            pending, overlong = pending.partition(b"\n")[2], False
         while b"\n" in pending:
             line, _, pending = pending.partition(b"\n")
             os.write(fd, answer(line + b"\n", apply))
         if len(pending) >= REQUEST_MAX:
             os.write(fd, f"error: a request is at most {REQUEST_MAX} bytes\n".encode())
-            pending = b""
+            pending, overlong = b"", True
 
 
 def main(argv: list[str]) -> int:
