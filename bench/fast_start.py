@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         common.Series("boot floor (kernel + busybox initramfs, powers off)", floor),
         common.Series("cold create -> SSH ready", cold_s),
         common.Series("pool hit: create -> SSH ready (whole CLI process)", hit_s),
-        common.Series("pool hit: claim's SSH (hostname set)", claim_s),
+        common.Series("pool hit: the claim's hostname step (channel + key proof, or SSH)", claim_s),
     ]
     median_floor = series[0].median
     report.checks += [

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import libvirt
 import pytest
 from lxml import etree
+from test_passthrough import define_and_undefine
 
 from vmsandbox.domain import (
+    CONTROL_PORT,
     METADATA_NS,
     DomainPlan,
     build_domain_xml,
     metadata_xml,
     read_metadata,
 )
+from vmsandbox.guest_tools import control as guest_control
 
 SCHEMA = etree.RelaxNG(etree.parse("/usr/share/libvirt/schemas/domain.rng"))
 
@@ -52,6 +56,7 @@ def parse(xml: str) -> etree._Element:
         {"kernel": None, "initrd": None, "cmdline": None},
         {"network": "default", "ssh_port": None},
         {"guest_outbound": True},
+        {"control_socket": Path("/var/lib/vmsandbox/sandboxes/unit/control.sock")},
         {
             "uefi": True,
             "nvram": Path("/var/lib/vmsandbox/disks/unit-vars.fd"),
@@ -116,3 +121,37 @@ def test_foreign_domains_have_no_record():
     assert read_metadata("<domain type='kvm'><name>other</name></domain>") is None
     bad = f"<domain><metadata><s:sandbox xmlns:s='{METADATA_NS}'>{{oops</s:sandbox></metadata>"
     assert read_metadata(bad + "</domain>") is None
+
+
+CONTROL = Path("/var/lib/vmsandbox/sandboxes/unit/control.sock")
+
+
+def test_the_control_channel_is_a_unix_socket_and_a_named_virtio_port() -> None:
+    """Host end: a socket QEMU listens on at the planned path (in the sandbox's private
+    folder); guest end: the virtio-serial port the guest tool looks for by name."""
+    channels = parse(build_domain_xml(plan(control_socket=CONTROL))).findall("devices/channel")
+    assert [
+        (c.get("type"), c.find("source").attrib, c.find("target").attrib) for c in channels
+    ] == [
+        (
+            "unix",
+            {"mode": "bind", "path": str(CONTROL)},
+            {"type": "virtio", "name": guest_control.PORT_NAME},
+        )
+    ]
+    assert CONTROL_PORT == guest_control.PORT_NAME
+    assert parse(build_domain_xml(plan())).find("devices/channel") is None
+
+
+@pytest.mark.libvirt
+def test_the_control_channel_defines_on_libvirtd() -> None:
+    """libvirtd takes the channel and adds the virtio-serial controller it needs."""
+    conn = libvirt.open("qemu:///system")
+    try:
+        defined = define_and_undefine(conn, build_domain_xml(plan(control_socket=CONTROL)))
+    finally:
+        conn.close()
+    channel = defined.find("devices/channel")
+    assert channel.find("target").get("name") == CONTROL_PORT
+    assert channel.find("address").get("type") == "virtio-serial"
+    assert defined.find("devices/controller[@type='virtio-serial']") is not None

@@ -102,13 +102,19 @@ def test_fill_then_a_create_claims_the_guest_and_a_refill_follows(pool_config: C
     assert ok("pool", "fill", config=config)["made"]
     (first,) = ready_guests(config)
     first_keys = keys_of(config, first)
+    # the minimal image serves the control channel: the claim sets the hostname through it
+    assert (config.sandboxes / first / "control.sock").is_socket()
 
     sandbox = ok("create", "x", config=config)
     assert sandbox["name"] == "x" and sandbox["state"] == "ready"
     assert sandbox["domain"] == f"vmsbx-{first}"  # the guest became the sandbox
     assert sandbox["known_hosts"].startswith(str(config.sandboxes / first))
-    hostname = run("exec", "x", "--", "hostname", config=config)
-    assert (hostname.returncode, hostname.stdout.strip()) == (0, "x"), hostname.stderr
+    hostname = run(
+        "exec", "x", "--", "sh", "-c", "hostname; grep 127.0.1.1 /etc/hosts", config=config
+    )
+    assert (hostname.returncode, hostname.stdout.split()) == (0, ["x", "127.0.1.1", "x"]), (
+        hostname.stderr
+    )
     listed = [s["name"] for s in ok("list", config=config)["sandboxes"]]  # all state dirs'
     assert "x" in listed and not [name for name in listed if name.startswith("pool-")]
     conn = libvirt.open(config.uri)

@@ -7,15 +7,26 @@ real guests for the rest.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import paramiko
 import pytest
-from fake_hypervisor import FakeHypervisor, unit_config
+from fake_hypervisor import IMAGE_ID, FakeHypervisor, unit_config
+from lxml import etree
 
-from vmsandbox import lifecycle, warmpool
+from vmsandbox import control, lifecycle, warmpool
 from vmsandbox.config import Config
-from vmsandbox.errors import FailedPrecondition, InvalidArgument, VmSandboxError
+from vmsandbox.domain import CONTROL_PORT
+from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, VmSandboxError
+from vmsandbox.guest import HostKeyMismatch
+from vmsandbox.guest_tools import control as guest_control
+from vmsandbox.keys import KeyPair, generate
 from vmsandbox.manager import SandboxManager
 from vmsandbox.pool import PoolShape, parse_table
 from vmsandbox.record import names_domain
@@ -246,3 +257,114 @@ def test_a_fill_replaces_guests_of_an_older_image_build(
     with pytest.raises(Stop):
         manager.pool.fill()
     assert everything(config, hv) == []  # the old guest removed, the new one undone
+
+
+# -- the claim through the control channel ----------------------------------------------------
+
+
+class FakeGuest:
+    """What a claim talks to in a guest of an image with the control channel, on the host: the
+    guest tool's own request handling behind the channel's socket (the names it would set are
+    recorded), and a paramiko SSH server showing ``host_key`` on the record's SSH port."""
+
+    def __init__(self, config: Config, guest: str, port: int, host_key: KeyPair) -> None:
+        self.names: list[str] = []
+        self.control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.control.bind(str(config.sandboxes / guest / "control.sock"))
+        self.control.listen(1)
+        self.sshd = socket.create_server(("127.0.0.1", port))
+        key = paramiko.Ed25519Key.from_private_key(io.StringIO(host_key.private_openssh))
+        self.threads = [
+            threading.Thread(target=self._serve_control, daemon=True),
+            threading.Thread(target=self._serve_ssh, args=(key,), daemon=True),
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _serve_control(self) -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = self.control.accept()
+            with conn:
+                conn.sendall(
+                    guest_control.answer(conn.makefile("rb").readline(), self.names.append)
+                )
+
+    def _serve_ssh(self, key: paramiko.PKey) -> None:
+        with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+            conn, _ = self.sshd.accept()
+            transport = paramiko.Transport(conn)
+            transport.add_server_key(key)
+            transport.start_server(server=paramiko.ServerInterface())
+            while transport.is_active():  # until the client closes it
+                transport.join(0.05)
+
+    def close(self) -> None:
+        for listener in (self.control, self.sshd):
+            with contextlib.suppress(OSError):  # wakes an accept() still waiting
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        for thread in self.threads:
+            thread.join(10)
+
+
+def channel_guest(manager: SandboxManager, config: Config, hv: FakeHypervisor) -> str:
+    """A pooled guest of an image that serves the control channel."""
+    meta_path = config.images / "tiny" / IMAGE_ID / "meta.json"
+    meta_path.write_text(
+        json.dumps({**json.loads(meta_path.read_text()), "guest_tools": ["control.py"]})
+    )
+    return pooled_guest(manager)
+
+
+def test_a_claim_sets_the_hostname_through_the_control_channel(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    """No SSH login: the name goes through the channel, and a key exchange proves the guest's
+    sshd shows the pinned host key."""
+    guest = channel_guest(manager, config, hv)
+    dom = hv.domains[f"vmsbx-{guest}"]
+    channel = etree.fromstring(dom.xml.encode()).find("devices/channel")
+    assert channel is not None and channel.find("target").get("name") == CONTROL_PORT
+    assert channel.find("source").get("path") == str(config.sandboxes / guest / "control.sock")
+    host = generate("h")
+    (config.sandboxes / guest / "known_hosts").write_text(f"vmsbx-{guest} {host.public_openssh}\n")
+    assert dom.data is not None
+    fake = FakeGuest(config, guest, dom.data["ssh"]["port"], host)
+    try:
+        sandbox = manager.create(SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1))
+    finally:
+        fake.close()
+    assert (sandbox.name, sandbox.domain, sandbox.state) == ("hit", f"vmsbx-{guest}", "ready")
+    assert fake.names == ["hit"]
+
+
+def test_a_claim_whose_guest_shows_another_host_key_fails_and_leaves_nothing(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    guest = channel_guest(manager, config, hv)
+    dom = hv.domains[f"vmsbx-{guest}"]
+    assert dom.data is not None
+    fake = FakeGuest(config, guest, dom.data["ssh"]["port"], generate("not the pinned one"))
+    try:
+        with pytest.raises(HostKeyMismatch, match=f"not the key pinned for vmsbx-{guest}"):
+            manager.create(SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1))
+    finally:
+        fake.close()
+    assert everything(config, hv) == []
+
+
+def test_a_claim_whose_channel_is_silent_fails_by_deadline_and_leaves_nothing(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The socket is there (QEMU listens) but nothing in the guest answers."""
+    monkeypatch.setattr(control, "TIMEOUT_S", 0.2)
+    guest = channel_guest(manager, config, hv)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(str(config.sandboxes / guest / "control.sock"))
+    silent.listen(1)
+    try:
+        with pytest.raises(DeadlineExceeded, match="did not answer on its control channel"):
+            manager.create(SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1))
+    finally:
+        silent.close()
+    assert everything(config, hv) == []

@@ -24,6 +24,8 @@ QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 DOMAIN_PREFIX = "vmsbx-"
 # Guest slot of the user-mode NIC on pcie.0, clear of libvirt's own placements.
 USER_NET_SLOT = "0x10"
+# The virtio-serial port that guest_tools/control.py serves in the project's own images.
+CONTROL_PORT = "org.vmsandbox.control.0"
 
 
 @dataclass
@@ -51,6 +53,8 @@ class DomainPlan:
     nvram: Path | None = None
     ovmf_code: Path | None = None
     ovmf_vars: Path | None = None
+    # Host end of the control channel (a socket QEMU listens on), for images that serve it.
+    control_socket: Path | None = None
     extra: list[Any] = field(default_factory=list)  # callables(tree) that add devices (GPUs)
 
 
@@ -80,6 +84,8 @@ def build_domain_xml(plan: DomainPlan) -> str:
     log = etree.SubElement(console, "log", file=str(plan.console_log), append="off")
     console.insert(0, log)
     _add_network(root, devices, plan)
+    if plan.control_socket is not None:
+        _add_control(devices, plan.control_socket)
     for add in plan.extra:
         add(root)
     return etree.tostring(root, pretty_print=True, encoding="unicode")
@@ -119,6 +125,15 @@ def _add_disks(devices: etree._Element, before: etree._Element, plan: DomainPlan
     etree.SubElement(seed, "readonly")
     before.addprevious(disk)
     before.addprevious(seed)
+
+
+def _add_control(devices: etree._Element, path: Path) -> None:
+    """The control channel: a virtio-serial port named CONTROL_PORT in the guest, a UNIX socket
+    at ``path`` on the host (in the sandbox's private folder: only root reaches it)."""
+    channel = etree.Element("channel", type="unix")
+    etree.SubElement(channel, "source", mode="bind", path=str(path))
+    etree.SubElement(channel, "target", type="virtio", name=CONTROL_PORT)
+    devices.find("rng").addprevious(channel)
 
 
 def _add_network(root: etree._Element, devices: etree._Element, plan: DomainPlan) -> None:

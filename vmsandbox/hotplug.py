@@ -26,8 +26,8 @@ them to the firmware, SeaBIOS and OVMF alike, in its resource-reserve capability
 The rest of what a GPU domain needs at boot comes from passthrough.py, planned for N of the
 host's largest GPUs: the 64-bit MMIO window, the guest's physical address bits, the firmware
 (``choose_firmware``), the memory limit and no balloon. Every other PCI device of the domain
-(disks, rng, USB) is placed on ``pcie.0`` itself: libvirt puts a device without an address
-on the first empty root port, which would take the spare ones.
+(disks, rng, USB, virtio-serial) is placed on ``pcie.0`` itself: libvirt puts a device without
+an address on the first empty root port, which would take the spare ones.
 
 The ports' guest addresses are fixed (``port_address``): the guest finds an attached GPU under
 its port in sysfs whatever bus number the firmware gave the port.
@@ -203,11 +203,16 @@ def hostdev_xml(bdf: str, bus: int, *, multifunction: bool, firmware: str) -> st
 
 
 def _place_on_root_bus(devices: etree._Element) -> None:
-    """Give every PCI device without an address one on pcie.0, and add the USB controller
-    libvirt would add, so that none takes a spare port."""
+    """Give every PCI device without an address one on pcie.0, and add the controllers
+    libvirt would add (USB; virtio-serial for a channel such as the control channel), so that
+    none takes a spare port."""
     if devices.find("controller[@type='usb']") is None:
         usb = etree.Element("controller", type="usb", index="0", model="qemu-xhci")
         devices.find("controller").addnext(usb)
+    has_serial = devices.find("controller[@type='virtio-serial']") is not None
+    if devices.find("channel/target[@type='virtio']") is not None and not has_serial:
+        serial = etree.Element("controller", type="virtio-serial", index="0")
+        devices.find("controller[@type='usb']").addnext(serial)
     slot = FIRST_DEVICE_SLOT
     for device in devices:
         if device.find("address") is not None or not _on_pci(device):
@@ -225,11 +230,12 @@ def _place_on_root_bus(devices: etree._Element) -> None:
 
 
 def _on_pci(device: etree._Element) -> bool:
-    """Whether libvirt gives ``device`` a PCI address: virtio disks, rng, NICs, USB."""
+    """Whether libvirt gives ``device`` a PCI address: virtio disks, rng, NICs, USB and
+    virtio-serial controllers."""
     if device.tag == "disk":
         return device.find("target").get("bus") == "virtio"
     if device.tag == "controller":
-        return device.get("type") == "usb"
+        return device.get("type") in ("usb", "virtio-serial")
     return device.tag in ("rng", "interface")
 
 

@@ -87,6 +87,8 @@ def build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, Any
         "cmdline": KERNEL_CMDLINE,
         "packages": packages,
         "nvidia_driver_version": nvidia_driver,
+        # what vmsandbox may rely on in the guest (control.py: the control channel's server)
+        "guest_tools": [tool.name for tool in recipe.tools],
     }
 
 

@@ -80,6 +80,11 @@ class BaseImage:
         return str(self.meta.get("cmdline", KERNEL_CMDLINE))
 
     @property
+    def has_control(self) -> bool:
+        """Whether the guest serves vmsandbox's control channel (guest_tools/control.py)."""
+        return "control.py" in self.meta.get("guest_tools", [])
+
+    @property
     def virtual_size(self) -> int:
         return int(self.meta.get("virtual_size", 0))
 

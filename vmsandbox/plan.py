@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from vmsandbox.spec import SandboxSpec
 
 LOOPBACK = "127.0.0.1"
+UNIX_PATH_MAX = 107  # bytes of a UNIX socket's path (sun_path less its final NUL)
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ def plan(
         mac=mac,
         ssh_port=port,
         guest_outbound=config.guest_outbound,
+        control_socket=files.control if _control_fits(image, files) else None,
     )
     firmware = None
     if hotplug is not None:
@@ -173,6 +175,12 @@ def _hotplug_record(hotplug: HotplugPlan | None) -> HotplugRecord | None:
     from vmsandbox.hotplug import port_indexes
 
     return HotplugRecord(buses=port_indexes(hotplug.ports), firmware=hotplug.firmware)
+
+
+def _control_fits(image: BaseImage | None, files: SandboxFiles) -> bool:
+    """A control channel for images whose guest serves one, where its socket's path fits a
+    UNIX socket address (107 bytes); without it a pool claim sets the hostname over SSH."""
+    return image is not None and image.has_control and len(bytes(files.control)) <= UNIX_PATH_MAX
 
 
 def with_port(planned: SandboxPlan, port: int) -> SandboxPlan:

@@ -292,6 +292,12 @@ class SandboxFiles:
             qemu_log=LIBVIRT_QEMU_LOG_DIR / f"{DOMAIN_PREFIX}{name}.log" if system else None,
         )
 
+    @property
+    def control(self) -> Path:
+        """The host end of the guest's control channel (made by QEMU, removed by libvirt when
+        the domain stops; inside the keys folder, so it goes with it)."""
+        return self.keys_dir / "control.sock"
+
     def keys(self, host_alias: str | None = None) -> SandboxKeys:
         """The sandbox's SSH keys (client key, pinned host key) in its keys folder."""
         return SandboxKeys(self.keys_dir, host_alias or DOMAIN_PREFIX + self.name)

@@ -4,11 +4,11 @@ pool.py says what a shape is; this module boots pooled guests and hands them out
 lifecycle paths of their own: ``FILL_STEPS`` make a pooled guest (the create steps behind a
 locked check that the shape's pool has room, ending in state ``pooled``), and ``CLAIM_STEPS``
 turn a pooled guest into the sandbox (a locked step that takes one and rewrites its record,
-then its hostname over SSH). Both leave a record in state ``creating`` while they work, so a
-killed fill or claim is taken apart by reconcile like a killed create. Pooled guests hold no
-GPU, so the fabric step of a fill has nothing to do. A GPU sandbox claims a GPU-ready guest
-(spare root ports, hotplug.py) through ``GPU_CLAIM_STEPS``: its GPUs are chosen and attached
-live, seen and verified (gpuclaim.py).
+then its hostname, through the guest's control channel or else over SSH). Both leave a record
+in state ``creating`` while they work, so a killed fill or claim is taken apart by reconcile
+like a killed create. Pooled guests hold no GPU, so the fabric step of a fill has nothing to do.
+A GPU sandbox claims a GPU-ready guest (spare root ports, hotplug.py) through
+``GPU_CLAIM_STEPS``: its GPUs are chosen and attached live, seen and verified (gpuclaim.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from vmsandbox import gpuclaim, guest, hotplug, lifecycle, virt
+from vmsandbox import control, gpuclaim, guest, hotplug, lifecycle, virt
 from vmsandbox.errors import FailedPrecondition, NotFound
 from vmsandbox.guest import Endpoint
 from vmsandbox.pool import NoPooledGuest, PoolFull, PoolShape, is_pool_guest
@@ -38,6 +39,7 @@ from vmsandbox.record import (
 
 if TYPE_CHECKING:
     from vmsandbox.images import BaseImage
+    from vmsandbox.keys import SandboxKeys
     from vmsandbox.manager import SandboxManager
     from vmsandbox.progress import Progress
     from vmsandbox.sandbox import Sandbox
@@ -96,11 +98,48 @@ def _claim(c: lifecycle.Creation) -> None:
 
 
 def _hostname(c: lifecycle.Creation) -> None:
-    """Give the claimed guest the sandbox's name as its hostname (over SSH, with sudo)."""
+    """Give the claimed guest the sandbox's name as its hostname: through its control channel
+    where it has one, while a key exchange proves that its sshd answers with the pinned host
+    key; otherwise (stock or imported images, guests pooled before the channel) over SSH."""
     assert c.record is not None  # made by the claim step
     ssh = c.record.ssh
     assert ssh.port is not None  # pooled guests were waited for: their endpoint is known
     c.endpoint = Endpoint(ssh.host, ssh.port, ssh.user)
+    keys = c.files.keys(c.record.host_key_alias)
+    started = time.monotonic()
+    if c.files.control.exists():
+        proof = _Proof(c.endpoint, keys)
+        proof.start()
+        try:
+            control.set_hostname(c.files.control, c.name, guest=c.files.name)
+        finally:
+            proof.join()
+        if proof.error is not None:
+            raise proof.error
+    else:
+        _hostname_over_ssh(c, keys)
+    c.boot_seconds = round(time.monotonic() - started, 3)
+
+
+class _Proof(threading.Thread):
+    """guest.prove_host_key in a thread of its own, beside the control channel's request."""
+
+    def __init__(self, endpoint: Endpoint, keys: SandboxKeys) -> None:
+        super().__init__(name="prove-host-key", daemon=True)
+        self.endpoint = endpoint
+        self.keys = keys
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            guest.prove_host_key(self.endpoint, self.keys)
+        except Exception as exc:  # raised again by the claim's own thread
+            self.error = exc
+
+
+def _hostname_over_ssh(c: lifecycle.Creation, keys: SandboxKeys) -> None:
+    """The hostname through an SSH login and sudo, for guests without the control channel."""
+    assert c.endpoint is not None and c.record is not None
     # One sudo running one shell, with builtins only (each program started costs tens of ms
     # under TCG): /etc/hosts first, since sudo looks up the host's name and a name missing from
     # /etc/hosts goes to DNS, which a sandbox without outbound network waits out.
@@ -111,15 +150,13 @@ def _hostname(c: lifecycle.Creation) -> None:
         f"echo {c.name} > /etc/hostname && echo {c.name} > /proc/sys/kernel/hostname"
     )
     command = f"sudo sh -c {shlex.quote(script)}"
-    started = time.monotonic()
-    result = c.guest_run(c.endpoint, c.files.keys(c.record.host_key_alias), command, timeout=60)
+    result = c.guest_run(c.endpoint, keys, command, timeout=60)
     if result.exit_status != 0:
         raise FailedPrecondition(
             f"setting the hostname of sandbox {c.name!r} in pooled guest {c.files.name!r} "
             f"failed (exit {result.exit_status}): {result.stderr.strip()}",
             details={"name": c.name, "guest": c.files.name},
         )
-    c.boot_seconds = round(time.monotonic() - started, 3)
 
 
 def _remove_guest(r: lifecycle.Remains) -> None:

@@ -1,0 +1,235 @@
+"""The control channel (guest_tools/control.py in the guest, vmsandbox/control.py on the host),
+on the host: the guest's parser takes only ``hostname NAME`` with a sandbox name and runs no
+program; its answers and its writes go to a root folder of the test's own; the host's client
+talks to the guest's real request loop over a socket pair standing in for the virtio port.
+Its run in a real guest (the claim of a pooled guest) is covered by test_pool.py."""
+
+from __future__ import annotations
+
+import ast
+import os
+import socket
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vmsandbox import control, spec
+from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from vmsandbox.guest_tools import control as guest_control
+from vmsandbox.guest_tools.control import RequestError, answer, parse, set_hostname
+
+SOURCE = Path(guest_control.__file__)
+
+
+def test_the_guest_keeps_vmsandboxs_name_grammar() -> None:
+    assert guest_control.NAME_RE.pattern == spec._NAME_RE.pattern
+    assert guest_control.NAME_MAX == spec.NAME_MAX
+
+
+@pytest.mark.parametrize("name", ["x", "box-7", "a" * 48, "0sandbox0"])
+def test_a_sandbox_name_is_taken(name: str) -> None:
+    assert parse(f"hostname {name}\n".encode()) == name
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        (b"hostname x", "one line ending in a newline"),
+        (b"hostname \xc3\xa9t\xc3\xa9\n", "ASCII"),
+        (b"hostname\n", "is not a sandbox name"),
+        (b"hostname \n", "is not a sandbox name"),
+        (b"hostname -x\n", "is not a sandbox name"),
+        (b"hostname x-\n", "is not a sandbox name"),
+        (b"hostname X\n", "is not a sandbox name"),
+        (b"hostname a.b\n", "is not a sandbox name"),
+        (b"hostname x y\n", "is not a sandbox name"),
+        (b"hostname x;reboot\n", "is not a sandbox name"),
+        (b"hostname $(reboot)\n", "is not a sandbox name"),
+        (b"hostname x\r\n", "is not a sandbox name"),
+        (b"hostname " + b"a" * 49 + b"\n", "is not a sandbox name"),
+        (b"HOSTNAME x\n", "unknown request 'HOSTNAME'"),
+        (b"reboot\n", "unknown request 'reboot'"),
+        (b"\n", "unknown request ''"),
+    ],
+)
+def test_anything_else_is_refused_with_why(line: bytes, why: str) -> None:
+    with pytest.raises(RequestError, match=why.replace("(", r"\(").replace("$", r"\$")):
+        parse(line)
+    assert answer(line, apply=_never).startswith(b"error: ")
+
+
+def _never(name: str) -> None:
+    raise AssertionError(f"a refused request reached the hostname: {name!r}")
+
+
+def test_no_shell_or_program_anywhere_in_the_guest_tool() -> None:
+    """The guest side starts no program at all: no subprocess, os.system/exec*/spawn*/popen."""
+    tree = ast.parse(SOURCE.read_text())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module)])
+    }
+    assert not imported & {"subprocess", "shlex", "pty", "multiprocessing"}
+    called = {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
+    assert not {c for c in called if c == "system" or c.startswith(("exec", "spawn", "popen"))}
+
+
+def test_the_hostname_goes_to_the_kernel_hostname_and_hosts(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/hosts").write_text("127.0.0.1 localhost\n127.0.1.1 pool-ab12\n::1 ip6\n")
+    kernel = tmp_path / "kernel-hostname"
+    kernel.write_text("pool-ab12")
+    set_hostname("box", tmp_path, kernel)
+    assert kernel.read_text() == "box"
+    assert (tmp_path / "etc/hostname").read_text() == "box\n"
+    assert (tmp_path / "etc/hosts").read_text() == "127.0.0.1 localhost\n::1 ip6\n127.0.1.1 box\n"
+    for name in ("hosts", "hostname"):
+        assert stat.S_IMODE((tmp_path / "etc" / name).stat().st_mode) == 0o644
+    assert sorted(p.name for p in (tmp_path / "etc").iterdir()) == ["hostname", "hosts"]
+
+
+def test_a_failed_write_is_answered_as_an_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-root"
+    reply = answer(b"hostname box\n", apply=lambda n: set_hostname(n, missing, missing / "k"))
+    assert reply.startswith(b"error: setting the hostname failed: ")
+
+
+def test_the_port_is_found_by_its_name(tmp_path: Path) -> None:
+    ports = (("vport1p1", "org.qemu.guest_agent.0"), ("vport2p1", guest_control.PORT_NAME))
+    for port, name in ports:
+        (tmp_path / port).mkdir()
+        (tmp_path / port / "name").write_text(name + "\n")
+    assert guest_control.find_port(tmp_path, wait=0) == "vport2p1"
+    (tmp_path / "vport2p1" / "name").write_text("other\n")
+    assert guest_control.find_port(tmp_path, wait=0) == ""
+
+
+# -- the host's client against the guest's request loop -----------------------------------------
+
+
+@pytest.fixture
+def channel(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
+    """A listening socket in a private folder; each connection is served by the guest tool's
+    answer(), recording the names it would set."""
+    folder = tmp_path / "sandbox"
+    folder.mkdir(mode=0o700)
+    path = folder / "control.sock"
+    names: list[str] = []
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    os.chmod(path, 0o775)  # as QEMU leaves it
+    server.listen(4)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                line = conn.makefile("rb").readline()
+                conn.sendall(answer(line, apply=names.append))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield path, names
+    server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (a close alone would not)
+    server.close()
+    thread.join()
+
+
+def test_the_client_sets_the_hostname_and_tightens_the_socket(
+    channel: tuple[Path, list[str]],
+) -> None:
+    path, names = channel
+    control.set_hostname(path, "box-1", guest="pool-ab12")
+    assert names == ["box-1"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_the_client_refuses_a_bad_name_before_sending(channel: tuple[Path, list[str]]) -> None:
+    path, names = channel
+    with pytest.raises(InvalidArgument, match=r"name 'x;reboot' is not valid"):
+        control.set_hostname(path, "x;reboot", guest="pool-ab12")
+    assert names == []
+
+
+def test_a_guest_error_is_a_failed_precondition_naming_the_answer(tmp_path: Path) -> None:
+    path = tmp_path / "control.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def refuse() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.makefile("rb").readline()
+            conn.sendall(b"error: setting the hostname failed: Read-only file system\n")
+
+    thread = threading.Thread(target=refuse, daemon=True)
+    thread.start()
+    with pytest.raises(FailedPrecondition, match=r"refused hostname 'box' .*Read-only") as caught:
+        control.set_hostname(path, "box", guest="pool-ab12")
+    thread.join()
+    server.close()
+    assert caught.value.details["guest"] == "pool-ab12"
+
+
+def test_a_silent_guest_is_a_deadline(tmp_path: Path) -> None:
+    """A guest whose server is not running: QEMU accepts the connection, nothing answers."""
+    path = tmp_path / "control.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(path))
+        server.listen(1)
+        with pytest.raises(DeadlineExceeded, match="did not answer on its control channel"):
+            control.set_hostname(path, "box", guest="pool-ab12", timeout=0.2)
+
+
+def test_no_socket_or_not_a_socket_is_a_failed_precondition(tmp_path: Path) -> None:
+    with pytest.raises(FailedPrecondition, match="has no control channel"):
+        control.set_hostname(tmp_path / "control.sock", "box", guest="pool-ab12")
+    (tmp_path / "control.sock").symlink_to("/etc/passwd")
+    with pytest.raises(FailedPrecondition, match="is not a socket"):
+        control.set_hostname(tmp_path / "control.sock", "box", guest="pool-ab12")
+
+
+def test_the_request_loop_answers_each_line_and_drops_an_overlong_one() -> None:
+    """serve() in a child process of its own on one end of a socket pair (a stand-in for the
+    port; its hostname writes go to a pipe): requests split across writes, two in one write,
+    a refused one, and one longer than REQUEST_MAX (answered once, the rest of it dropped)."""
+    host, port = socket.socketpair()
+    names_r, names_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child's exit status is what the parent checks)
+        host.close()
+        try:
+            guest_control.serve(port.fileno(), apply=lambda n: os.write(names_w, n.encode() + b","))
+        finally:
+            os._exit(1)
+    port.close()
+    os.close(names_w)
+    try:
+        host.settimeout(30)  # a loop that stopped answering fails the test, never hangs it
+        reader = host.makefile("rb")
+        host.sendall(b"hostname bo")
+        host.sendall(b"x-1\nhostname x;id\nhostname y\n")
+        assert [reader.readline() for _ in range(3)][::2] == [b"ok\n", b"ok\n"]
+        host.sendall(b"hostname " + b"a" * guest_control.REQUEST_MAX + b"\n")
+        assert reader.readline().startswith(b"error: a request is at most")
+        host.sendall(b"reboot\n")
+        assert reader.readline().startswith(b"error: unknown request 'reboot'")
+        assert os.read(names_r, 100) == b"box-1,y,"
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        os.close(names_r)
+        host.close()
