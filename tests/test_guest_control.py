@@ -233,3 +233,19 @@ def test_the_request_loop_answers_each_line_and_drops_an_overlong_one() -> None:
         os.waitpid(child, 0)
         os.close(names_r)
         host.close()
+
+
+def test_restrict_makes_the_socket_the_owners_alone(tmp_path: Path) -> None:
+    """QEMU makes the host end group-writable (0775 under umask 0): start makes it 0600."""
+    path = tmp_path / "control.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(path))
+        os.chmod(path, 0o775)
+        control.restrict(path)
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o600
+    control.restrict(tmp_path / "absent.sock")  # no channel: nothing to do
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    os.chmod(plain, 0o644)
+    control.restrict(plain)  # not a socket: left alone
+    assert stat.S_IMODE(plain.stat().st_mode) == 0o644

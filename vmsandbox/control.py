@@ -9,6 +9,7 @@ short deadline and closes it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -20,6 +21,14 @@ from vmsandbox.spec import validate_name
 
 TIMEOUT_S = 5.0
 ANSWER_MAX = 512  # bytes of one answer line
+
+
+def restrict(path: Path) -> None:
+    """Make the control channel's socket the owner's alone (0600) once QEMU has made it: QEMU
+    creates it group-writable (0775 under umask 0). Nothing to do where there is none."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.chmod(path, 0o600)
 
 
 def set_hostname(path: Path, name: str, *, guest: str, timeout: float | None = None) -> None:

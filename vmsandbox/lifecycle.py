@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from vmsandbox import boot, guest, plan
+from vmsandbox import boot, control, guest, plan
 from vmsandbox.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -213,6 +213,7 @@ def _start(c: Creation) -> None:
     for attempt in range(1, PORT_TRIES + 1):
         try:
             c.hypervisor.start(c.domain)
+            control.restrict(c.files.control)
             return
         except FailedPrecondition as exc:
             if "host forwarding" not in exc.message or attempt == PORT_TRIES:

@@ -309,7 +309,9 @@ class SandboxManager:
         ``wait``, return once it is ready (``wait``). Idempotent: a running sandbox is returned
         as it is. A GPU gone from the host: FAILED_PRECONDITION, the sandbox left as it was."""
         check_timeout(timeout)
-        if power.start(self.hypervisor, *self.store.get(name)) and wait:
+        record, state = self.store.get(name)
+        files = SandboxFiles.of(self.config, record.stem)
+        if power.start(self.hypervisor, record, state, files) and wait:
             return self.wait(name, verify=verify, timeout=timeout)
         return self.store.view(*self.store.get(name))
 

@@ -13,7 +13,7 @@ import contextlib
 import time
 from dataclasses import replace
 
-from vmsandbox import boot, lifecycle
+from vmsandbox import boot, control, lifecycle
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, VmSandboxError
 from vmsandbox.hypervisor import Hypervisor
@@ -58,8 +58,9 @@ def check_powerable(record: SandboxRecord, state: str) -> None:
         )
 
 
-def start(hypervisor: Hypervisor, record: SandboxRecord, state: str) -> bool:
-    """Start a sandbox that does not run; False when it runs already (nothing done).
+def start(hypervisor: Hypervisor, record: SandboxRecord, state: str, files: SandboxFiles) -> bool:
+    """Start a sandbox that does not run; False when it runs already (nothing done). QEMU makes
+    the control channel's socket anew: it is made the owner's alone (``control.restrict``).
 
     It is stored as ``starting`` by this process first (so it shows starting, not stopped,
     between the call and QEMU running). A refused start restores the record and state it had,
@@ -79,6 +80,7 @@ def start(hypervisor: Hypervisor, record: SandboxRecord, state: str) -> bool:
         except VmSandboxError as restore:  # the start's error stays the one the caller sees
             exc.add_note(f"restoring the state of sandbox {record.name!r} failed: {restore}")
         raise
+    control.restrict(files.control)
     return True
 
 
