@@ -42,7 +42,6 @@ from lxml import etree
 
 from vmsandbox import passthrough
 from vmsandbox.domain import QEMU_NS, USER_NET_SLOT
-from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.host.model import Bar, Gpu
 
 MIB = 1 << 20
@@ -183,23 +182,8 @@ def hostdev_xml(bdf: str, bus: int, *, multifunction: bool, firmware: str) -> st
     index ``bus`` (guest slot 0, the host's function number), as attachDeviceFlags takes it;
     ``multifunction`` on function 0 of a card with companions, no option ROM under SeaBIOS
     (as passthrough.py does at boot)."""
-    hostdev = etree.Element("hostdev", mode="subsystem", type="pci", managed="yes")
-    source = libvirt_address(bdf)
-    etree.SubElement(etree.SubElement(hostdev, "source"), "address", **source)
-    guest = etree.SubElement(
-        hostdev,
-        "address",
-        type="pci",
-        domain="0x0000",
-        bus=f"0x{bus:02x}",
-        slot="0x00",
-        function=source["function"],
-    )
-    if multifunction and source["function"] == "0x0":
-        guest.set("multifunction", "on")
-    if firmware != "uefi":
-        etree.SubElement(hostdev, "rom", bar="off")
-    return etree.tostring(hostdev, encoding="unicode")
+    element = passthrough.hostdev(bdf, bus, multifunction=multifunction, rom=firmware == "uefi")
+    return etree.tostring(element, encoding="unicode")
 
 
 def _place_on_root_bus(devices: etree._Element) -> None:

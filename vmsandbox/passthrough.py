@@ -245,24 +245,30 @@ def _add_gpus(devices: etree._Element, slots: Sequence[Sequence[str]], *, rom: b
         controllers[-1].addnext(port)
         controllers.append(port)
         for bdf in functions:
-            hostdev = etree.Element("hostdev", mode="subsystem", type="pci", managed="yes")
-            source = libvirt_address(bdf)
-            etree.SubElement(etree.SubElement(hostdev, "source"), "address", **source)
-            function = source["function"]
-            guest = etree.SubElement(
-                hostdev,
-                "address",
-                type="pci",
-                domain="0x0000",
-                bus=f"0x{bus:02x}",
-                slot="0x00",
-                function=function,
-            )
-            if function == "0x0" and len(functions) > 1:
-                guest.set("multifunction", "on")
-            if not rom:
-                etree.SubElement(hostdev, "rom", bar="off")
-            balloon.addprevious(hostdev)
+            balloon.addprevious(hostdev(bdf, bus, multifunction=len(functions) > 1, rom=rom))
+
+
+def hostdev(bdf: str, bus: int, *, multifunction: bool, rom: bool) -> etree._Element:
+    """The managed ``<hostdev>`` of host function ``bdf`` on guest bus ``bus``, slot 0, with the
+    host's function number; ``multifunction`` on function 0 of a card with companions; no
+    option ROM unless ``rom`` (SeaBIOS would run a VGA card's)."""
+    element = etree.Element("hostdev", mode="subsystem", type="pci", managed="yes")
+    source = libvirt_address(bdf)
+    etree.SubElement(etree.SubElement(element, "source"), "address", **source)
+    guest = etree.SubElement(
+        element,
+        "address",
+        type="pci",
+        domain="0x0000",
+        bus=f"0x{bus:02x}",
+        slot="0x00",
+        function=source["function"],
+    )
+    if multifunction and source["function"] == "0x0":
+        guest.set("multifunction", "on")
+    if not rom:
+        etree.SubElement(element, "rom", bar="off")
+    return element
 
 
 def _set_phys_bits(root: etree._Element, bits: int) -> None:
