@@ -26,6 +26,8 @@ PIN_SECONDS_PER_GIB = 0.5
 SECONDS_PER_GPU = 30.0
 CONSOLE_LINES = 30
 LEASE_POLL_S = 0.5
+# How long the SSH wait holds back for the console to say that sshd started (guests that say so).
+SSHD_REPORT_GRACE_S = 60.0
 NO_SEED_READER = (
     "neither cloud-init nor vmsandbox's first-boot unit (what reads the NoCloud seed that "
     "installs the SSH keys) was seen on the guest console: the image may lack both or have "
@@ -74,9 +76,19 @@ class BootWatch:
     name: str
     domain: str
     files: SandboxFiles
+    # The guest's console says when sshd has started (images with vmsandbox's first boot).
+    reports_sshd: bool = False
 
     def __post_init__(self) -> None:
         self.console = console.ConsoleWatch(self.files.console_log)
+        self._since = time.monotonic()
+
+    def sshd_reported(self) -> bool:
+        """Whether the console has said that sshd started; also once SSHD_REPORT_GRACE_S have
+        passed without it, so that a lost console line costs time, never the boot."""
+        self.console.poll()
+        grace_over = time.monotonic() - self._since > SSHD_REPORT_GRACE_S
+        return self.console.sshd_up_seen or grace_over
 
     def check(self) -> bool:
         """True while the guest may still come up; raises once it cannot."""
@@ -160,6 +172,7 @@ def wait_for_ssh(
             progress=progress,
             still_running=watch.check,
             stage=lambda: console.stage(watch.files.console_log),
+            sshd_reported=watch.sshd_reported if watch.reports_sshd else None,
         )
     except DeadlineExceeded as exc:
         raise watch.timed_out(exc) from exc

@@ -36,6 +36,10 @@ SEED_READER_RE = re.compile(
     r"Cloud-init v\. |cloud-init(-local)?\.service|cloud-init\[\d+\]"
     r"|vmsandbox-firstboot(: |\.service - )"
 )
+# systemd saying on the console that sshd has started (the project's images: their kernel
+# command line has no ``quiet``). The multi-user target comes later and counts too, should the
+# line about sshd itself be lost.
+SSHD_UP_RE = re.compile(r"Started sshd?\.service\b|Reached target multi-user\.target")
 
 _STAGES = (
     ("Reached target multi-user", "multi-user target reached"),
@@ -86,11 +90,13 @@ class ConsoleWatch:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.seed_reader_seen = False
+        self.sshd_up_seen = False
+        self.fatal: str | None = None
         self._offset = 0
         self._partial = ""
 
     def poll(self) -> str | None:
-        """The first fatal line written since the last poll, or None."""
+        """The first fatal line seen so far, or None."""
         try:
             with self.path.open("rb") as handle:
                 if os.fstat(handle.fileno()).st_size < self._offset:
@@ -98,7 +104,7 @@ class ConsoleWatch:
                 handle.seek(self._offset)
                 chunk = handle.read()
         except OSError:
-            return None
+            return self.fatal
         self._offset += len(chunk)
         text = self._partial + clean(chunk.decode(errors="replace"))
         lines = text.split("\n")
@@ -106,6 +112,8 @@ class ConsoleWatch:
         for line in lines:
             if SEED_READER_RE.search(line):
                 self.seed_reader_seen = True
-            if any(pattern.search(line) for pattern in FATAL):
-                return line.strip()
-        return None
+            if SSHD_UP_RE.search(line):
+                self.sshd_up_seen = True
+            if self.fatal is None and any(pattern.search(line) for pattern in FATAL):
+                self.fatal = line.strip()
+        return self.fatal

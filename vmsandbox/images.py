@@ -85,6 +85,12 @@ class BaseImage:
         return "control.py" in self.meta.get("guest_tools", [])
 
     @property
+    def reports_sshd(self) -> bool:
+        """Whether the guest's console says when sshd has started: vmsandbox's first-boot unit
+        (guest_tools/firstboot.py) runs in it, and systemd reports each unit there."""
+        return "firstboot.py" in self.meta.get("guest_tools", [])
+
+    @property
     def virtual_size(self) -> int:
         return int(self.meta.get("virtual_size", 0))
 

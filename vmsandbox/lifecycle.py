@@ -230,7 +230,7 @@ def _wait(c: Creation) -> None:
         return
     assert c.record is not None  # made by the define step
     timeout = c.timeout or boot.boot_timeout(c.config.boot_timeout, c.spec.memory_mib, len(c.gpus))
-    watch = boot.BootWatch(c.hypervisor, c.name, c.domain, c.files)
+    watch = boot.BootWatch(c.hypervisor, c.name, c.domain, c.files, c.image.reports_sshd)
     ssh = c.record.ssh
     c.endpoint = boot.endpoint(watch, ssh, timeout=timeout)
     if ssh.port is None:  # the DHCP address is kept in the record: get/exec/ssh use it

@@ -17,6 +17,7 @@ from vmsandbox import boot, control, lifecycle
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, VmSandboxError
 from vmsandbox.hypervisor import Hypervisor
+from vmsandbox.images import ImageStore
 from vmsandbox.process import ProcessIdentity
 from vmsandbox.progress import Progress
 from vmsandbox.record import (
@@ -103,7 +104,7 @@ def wait(
     domain = record.domain
     files = SandboxFiles.of(config, record.stem)
     limit = timeout or boot.boot_timeout(config.boot_timeout, record.memory_mib, len(record.gpus))
-    watch = boot.BootWatch(hypervisor, record.name, domain, files)
+    watch = boot.BootWatch(hypervisor, record.name, domain, files, _reports_sshd(config, record))
     try:
         endpoint = boot.endpoint(watch, record.ssh, timeout=limit)
         if record.ssh.port is None:  # the DHCP address is kept: get/exec/ssh use it
@@ -123,3 +124,10 @@ def wait(
 
         raise_if_failed(VerificationReport.from_dict(report), subject=f"sandbox {record.name!r}")
     return record, waited
+
+
+def _reports_sshd(config: Config, record: SandboxRecord) -> bool:
+    """Whether the sandbox's image build says on the console when sshd has started (False
+    when the build is gone: the wait then knocks as for any image)."""
+    builds = ImageStore(config.images).builds(record.image)
+    return any(image.id == record.image_id and image.reports_sshd for image in builds)
