@@ -144,3 +144,52 @@ def test_the_timeout_says_when_no_seed_reader_ran(tmp_path: Path) -> None:
         log.write_text(f"{reader}\r\n")
         error = watch.timed_out(DeadlineExceeded("guest did not accept SSH within 60s"))
         assert boot.NO_SEED_READER not in error.message
+
+
+STATUS_SSHD = (
+    "[\x1b[0;32m  OK  \x1b[0m] Started "
+    "\x1b[0;1;39mssh.service\x1b[0m - OpenBSD Secure Shell server."
+)
+STATUS_ONLINE = "[  OK  ] Reached target network-online.target - Network is Online."
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        [STATUS_SSHD, STATUS_ONLINE],
+        [STATUS_ONLINE, STATUS_SSHD],
+        ["[  OK  ] Reached target multi-user.target - Multi-User System."],  # both are behind it
+    ],
+)
+def test_the_ssh_wait_is_let_through_once_the_console_says_sshd_and_network_are_up(
+    tmp_path: Path, lines: list[str]
+) -> None:
+    watch, log = _watch(tmp_path, running=True)
+    watch.reports_sshd = True
+    log.write_text("[  OK  ] Started systemd-udevd.service\r\n         Starting ssh.service\r\n")
+    assert not watch.sshd_reported()
+    for line in lines[:-1]:
+        with log.open("a") as handle:
+            handle.write(f"{line}\r\n")
+        assert not watch.sshd_reported()
+    with log.open("a") as handle:
+        handle.write(f"{lines[-1]}\r\n")
+    assert watch.sshd_reported()
+
+
+def test_a_lost_console_line_costs_the_grace_never_the_boot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    watch, _log = _watch(tmp_path, running=True)
+    assert not watch.sshd_reported()
+    monkeypatch.setattr(boot, "SSHD_REPORT_GRACE_S", 0.0)
+    assert watch.sshd_reported()
+
+
+def test_a_fatal_line_is_still_seen_after_another_reader_polled(tmp_path: Path) -> None:
+    """The SSH wait's gate polls the console too: a fatal line it read first is not lost."""
+    watch, log = _watch(tmp_path, running=True)
+    log.write_text(SEABIOS)
+    assert not watch.sshd_reported()
+    with pytest.raises(FailedPrecondition, match="No bootable device"):
+        watch.check()

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_seed import read_iso
 
 from vmsandbox.guest_tools import firstboot
@@ -82,6 +85,56 @@ def test_the_seed_vmsandbox_writes_is_read_whole(tmp_path: Path):
         "10.0.2.2",
     )
     assert (nic.nameservers, nic.dhcp) == (("10.0.2.3",), False)
+
+
+@pytest.mark.parametrize("guest", [SETUP, None])
+def test_the_unit_reads_the_seed_without_mounting_it(tmp_path: Path, guest: GuestSetup | None):
+    iso, texts = _seed_files(tmp_path, guest)
+    assert firstboot.read_seed(iso) == texts  # the same bytes isoinfo finds
+
+
+def _iso(tmp_path: Path, files: dict[str, bytes], *options: str) -> Path:
+    """An ISO 9660 volume labelled cidata holding ``files``, made by genisoimage."""
+    folder = tmp_path / "files"
+    folder.mkdir(exist_ok=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    iso = tmp_path / "volume.iso"
+    argv = ["genisoimage", "-quiet", "-output", str(iso), "-volid", "cidata", *options]
+    subprocess.run([*argv, *(str(folder / name) for name in files)], check=True)
+    return iso
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    user_data=st.text(max_size=5000),
+    meta=st.text(min_size=1, max_size=300),
+    network=st.one_of(st.none(), st.text(max_size=3000)),
+)
+def test_any_seed_text_is_read_back_as_written(
+    tmp_path: Path, user_data: str, meta: str, network: str | None
+):
+    files = {"user-data": user_data.encode(), "meta-data": meta.encode()}
+    if network is not None:
+        files["network-config"] = network.encode()
+    for old in tmp_path.glob("files/*"):
+        old.unlink()
+    iso = _iso(tmp_path, files, "-joliet", "-rock")
+    assert firstboot.read_seed(iso) == (user_data, meta, network or "")
+
+
+def test_a_seed_without_meta_data_or_joliet_names_what_is_missing(tmp_path: Path):
+    iso = _iso(tmp_path, {"user-data": b"#cloud-config\n{}"}, "-joliet", "-rock")
+    with pytest.raises(SeedError, match=f"the seed on {iso} has no meta-data"):
+        firstboot.read_seed(iso)
+    iso = _iso(tmp_path, {"meta-data": b"{}"}, "-rock")
+    with pytest.raises(SeedError, match="has no Joliet directory"):
+        firstboot.read_seed(iso)
+    (tmp_path / "zeros").write_bytes(bytes(64 * 1024))
+    with pytest.raises(SeedError, match="has no Joliet directory"):
+        firstboot.read_seed(tmp_path / "zeros")
 
 
 def test_a_seed_without_guest_setup_has_no_commands(tmp_path: Path):

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from vmsandbox import guest
+from vmsandbox.errors import DeadlineExceeded
 
 BANNER = b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n"
 
@@ -58,3 +59,13 @@ def test_sshds_banner_is_left_unread_for_the_ssh_client(forward):
         assert sock.recv(len(BANNER), socket.MSG_WAITALL) == BANNER
     finally:
         sock.close()
+
+
+def test_no_connection_is_made_while_the_console_says_sshd_is_not_up(forward):
+    """Every knock the forward takes reaches the guest later, each one an sshd start there."""
+    accepted = threading.Event()
+    endpoint = forward(lambda conn: accepted.set())
+    keys = None  # never used: the wait gives up before any connection
+    with pytest.raises(DeadlineExceeded, match="did not accept SSH"):
+        guest.wait_ready(endpoint, keys, timeout=0.6, sshd_reported=lambda: False)  # type: ignore[arg-type]
+    assert not accepted.wait(0.2)

@@ -84,11 +84,12 @@ class BootWatch:
         self._since = time.monotonic()
 
     def sshd_reported(self) -> bool:
-        """Whether the console has said that sshd started; also once SSHD_REPORT_GRACE_S have
-        passed without it, so that a lost console line costs time, never the boot."""
+        """Whether the console has said that sshd started and the network is up; also once
+        SSHD_REPORT_GRACE_S have passed without it, so that a lost console line costs time,
+        never the boot."""
         self.console.poll()
         grace_over = time.monotonic() - self._since > SSHD_REPORT_GRACE_S
-        return self.console.sshd_up_seen or grace_over
+        return self.console.sshd_reachable or grace_over
 
     def check(self) -> bool:
         """True while the guest may still come up; raises once it cannot."""

@@ -36,10 +36,13 @@ SEED_READER_RE = re.compile(
     r"Cloud-init v\. |cloud-init(-local)?\.service|cloud-init\[\d+\]"
     r"|vmsandbox-firstboot(: |\.service - )"
 )
-# systemd saying on the console that sshd has started (the project's images: their kernel
-# command line has no ``quiet``). The multi-user target comes later and counts too, should the
-# line about sshd itself be lost.
-SSHD_UP_RE = re.compile(r"Started sshd?\.service\b|Reached target multi-user\.target")
+# systemd saying on the console that sshd has started and that the network is configured (the
+# project's images: their kernel command line has no ``quiet``; sshd may start before networkd
+# has given the NIC its address, and a knock sent then is lost for seconds). The multi-user
+# target comes after both and counts for both, should a line be lost.
+SSHD_STARTED_RE = re.compile(r"Started sshd?\.service\b")
+NETWORK_ONLINE_RE = re.compile(r"Reached target network-online\.target\b")
+MULTI_USER_RE = re.compile(r"Reached target multi-user\.target\b")
 
 _STAGES = (
     ("Reached target multi-user", "multi-user target reached"),
@@ -90,7 +93,8 @@ class ConsoleWatch:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.seed_reader_seen = False
-        self.sshd_up_seen = False
+        self.sshd_started_seen = False
+        self.network_online_seen = False
         self.fatal: str | None = None
         self._offset = 0
         self._partial = ""
@@ -112,8 +116,15 @@ class ConsoleWatch:
         for line in lines:
             if SEED_READER_RE.search(line):
                 self.seed_reader_seen = True
-            if SSHD_UP_RE.search(line):
-                self.sshd_up_seen = True
+            if SSHD_STARTED_RE.search(line) or MULTI_USER_RE.search(line):
+                self.sshd_started_seen = True
+            if NETWORK_ONLINE_RE.search(line) or MULTI_USER_RE.search(line):
+                self.network_online_seen = True
             if self.fatal is None and any(pattern.search(line) for pattern in FATAL):
                 self.fatal = line.strip()
         return self.fatal
+
+    @property
+    def sshd_reachable(self) -> bool:
+        """Whether the console has said both that sshd started and that the network is up."""
+        return self.sshd_started_seen and self.network_online_seen

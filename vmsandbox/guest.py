@@ -162,7 +162,7 @@ def connect(endpoint: Endpoint, keys: SandboxKeys, timeout: float = 10.0) -> par
 KNOCK_EVERY_S = 0.5
 KNOCK_WAIT_S = 5.0
 KNOCKS_OPEN = 8
-KNOCK_REPORTED_S = 2.0
+KNOCK_REPORTED_S = 1.0
 GATE_POLL_S = 0.05
 
 
