@@ -16,7 +16,7 @@ import pytest
 from fake_hypervisor import FakeHypervisor, refuse, unit_config
 from test_seed import read_iso
 
-from vmsandbox import lifecycle
+from vmsandbox import lifecycle, power
 from vmsandbox.config import Config
 from vmsandbox.errors import (
     AlreadyExists,
@@ -419,6 +419,26 @@ def test_stop_powers_off_a_guest_that_ignores_the_button(
     hv.domains["vmsbx-unit"].ignores_acpi = True
     assert manager.stop("unit", grace=0.1).state == "stopped"
     assert ("stop", "vmsbx-unit") in hv.calls
+
+
+def test_stop_presses_again_when_the_first_press_was_lost(
+    manager: SandboxManager, hv: FakeHypervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A guest that has just answered SSH may not listen to its power button yet."""
+    monkeypatch.setattr(power, "PRESS_AGAIN_S", 0.05)
+    monkeypatch.setattr(power, "POLL_S", 0.01)
+    manager.create(spec(), wait=False)
+    guest = hv.domains["vmsbx-unit"]
+    presses: list[str] = []
+
+    def press(domain: str) -> None:
+        presses.append(domain)
+        guest.ignores_acpi = len(presses) == 1  # the first press comes too early
+
+    hv.before["shutdown"] = press
+    assert manager.stop("unit", grace=5).state == "stopped"
+    assert hv.calls.count(("shutdown", "vmsbx-unit")) == 2
+    assert ("stop", "vmsbx-unit") not in hv.calls
 
 
 def test_stop_grace_must_be_seconds_above_zero(manager: SandboxManager) -> None:

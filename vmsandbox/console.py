@@ -36,12 +36,15 @@ SEED_READER_RE = re.compile(
     r"Cloud-init v\. |cloud-init(-local)?\.service|cloud-init\[\d+\]"
     r"|vmsandbox-firstboot(: |\.service - )"
 )
-# systemd saying on the console that sshd has started and that the network is configured (the
-# project's images: their kernel command line has no ``quiet``; sshd may start before networkd
-# has given the NIC its address, and a knock sent then is lost for seconds). The multi-user
-# target comes after both and counts for both, should a line be lost.
+# The console saying that sshd has started (systemd's status line: the project's images have no
+# ``quiet`` on their kernel command line) and that the network is configured (the first-boot
+# unit's line for a NIC it brought up itself, or networkd's network-online target): a knock
+# sent before the NIC has its address is lost for seconds. The multi-user target comes after
+# all of them and counts for both, should a line be lost.
 SSHD_STARTED_RE = re.compile(r"Started sshd?\.service\b")
-NETWORK_ONLINE_RE = re.compile(r"Reached target network-online\.target\b")
+NETWORK_ONLINE_RE = re.compile(
+    r"Reached target network-online\.target\b|vmsandbox-firstboot: \S+ is up at "
+)
 MULTI_USER_RE = re.compile(r"Reached target multi-user\.target\b")
 
 _STAGES = (

@@ -31,14 +31,23 @@ from vmsandbox.record import (
 )
 
 POLL_S = 0.5
+PRESS_AGAIN_S = 2.0
 
 
 def stop(hypervisor: Hypervisor, domain: str, *, grace: float) -> None:
-    """Press the guest's power button, and power it off when it still runs after ``grace``
-    seconds. Nothing to do for a domain that does not run."""
-    hypervisor.shutdown(domain)
-    deadline = time.monotonic() + grace
+    """Press the guest's power button (again every PRESS_AGAIN_S), and power it off when it
+    still runs after ``grace`` seconds. Nothing to do for a domain that does not run.
+
+    A press is lost when nothing in the guest listens yet: a guest that has just answered SSH
+    may still be loading its ACPI button driver or starting logind (the lean images start both
+    after sshd), and a stop right after a create must not wait out the whole grace."""
+    start = time.monotonic()
+    deadline = start + grace
+    presses = 0
     while hypervisor.running(domain) and time.monotonic() < deadline:
+        if time.monotonic() >= start + presses * PRESS_AGAIN_S:
+            hypervisor.shutdown(domain)
+            presses += 1
         time.sleep(POLL_S)
     if hypervisor.running(domain):
         hypervisor.stop(domain)

@@ -7,15 +7,16 @@ root="$1"
 
 # The cloud kernel has virtio_blk and ext4 as modules, so an initramfs stays, but one of our own:
 # initramfs-tools' (about 1.8 s under TCG: udev, its scripts, hooks for storage a sandbox has
-# not) becomes busybox and an /init that loads the three modules with their dependencies, mounts
-# the root read-write and hands over to systemd. It reads root= and rootdelay= from the kernel
+# not) becomes busybox and an /init that loads the root's modules and the NIC's with their
+# dependencies, mounts the root read-write and hands over to systemd. The NIC is there from the
+# start, so the first-boot unit gives it its address before sshd starts. It reads root= and rootdelay= from the kernel
 # command line and, when the root never shows up, says what initramfs-tools says (vmsandbox's
 # boot watcher fails the create on those lines).
 kver=$(ls "$root/lib/modules")
 work="$root/tmp/vmsandbox-initrd"
 mkdir -p "$work/bin" "$work/dev" "$work/proc" "$work/root"
 cp "$root/bin/busybox" "$work/bin/busybox"
-for module in $(for name in virtio_pci virtio_blk ext4; do
+for module in $(for name in virtio_pci virtio_blk virtio_net ext4; do
                   chroot "$root" modprobe --show-depends --set-version "$kver" "$name"
                 done | awk '$1 == "insmod" && !seen[$2]++ {print $2}'); do
   case "$module" in *.ko) ;; *) echo "unexpected module file $module" >&2; exit 1 ;; esac
@@ -50,6 +51,18 @@ chmod 0755 "$work/init"
 chroot "$root" sh -c 'cd /tmp/vmsandbox-initrd && find . | cpio --quiet -o -H newc' \
   > "$root/boot/initrd.img-$kver"
 rm -rf "$work"
+
+# sshd listens on every address and needs no network to start: it starts once the first-boot
+# unit is done (the unit gives static NICs their addresses), not after networkd. Debian's unit
+# orders it after network.target, which a drop-in cannot take back: the unit is copied here.
+sed -e '/^After=/s/network\.target *//' "$root/lib/systemd/system/ssh.service" \
+  > "$root/etc/systemd/system/ssh.service"
+grep -q '^After=auditd.service$' "$root/etc/systemd/system/ssh.service"
+# Likewise logins: systemd makes /run/nologin at boot (pam_nologin then refuses every user but
+# root) and removes it only after network.target (systemd-user-sessions.service). Here sshd
+# starts once the guest is set up for its user, so the file is not made.
+mkdir -p "$root/etc/tmpfiles.d"
+ln -sf /dev/null "$root/etc/tmpfiles.d/systemd-nologin.conf"
 
 # sshd's config is baked and checked at build time: skip its `sshd -t` before every start (one
 # more sshd process on the single vCPU on the way to SSH).
@@ -139,10 +152,12 @@ UNIT
 systemctl --root="$root" --quiet enable vmsandbox-coldplug.service
 
 # The journal lives in memory (/run): no journal files written to each sandbox's disk at every
-# boot and no flush to /var. The image's random seed file is dropped and its unit masked: every
+# boot, and no flush to /var (its unit masked: the start of sysinit's file setup waited for it,
+# and so for journald). The image's random seed file is dropped and its unit masked: every
 # sandbox would start from the same file, while the kernel seeds itself (RDRAND, virtio-rng).
 mkdir -p "$root/etc/systemd/journald.conf.d"
 printf '[Journal]\nStorage=volatile\n' > "$root/etc/systemd/journald.conf.d/90-vmsandbox.conf"
 rm -rf "$root/var/log/journal"
+ln -sf /dev/null "$root/etc/systemd/system/systemd-journal-flush.service"
 rm -f "$root/var/lib/systemd/random-seed"
 ln -sf /dev/null "$root/etc/systemd/system/systemd-random-seed.service"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import binascii
 import grp
+import ipaddress
 import json
 import os
 import pwd
@@ -94,6 +95,20 @@ def _string(what: str, value: object) -> str:
     if not isinstance(value, str) or not value or "\0" in value or "\n" in value:
         raise SeedError(f"{what} must be one line of text, got {value!r}")
     return value
+
+
+def _ip(what: str, value: object, *, network: bool = False) -> str:
+    """An IP address (``network``: with its prefix length, as 10.0.2.15/24), as given."""
+    text = _string(what, value)
+    try:
+        if network and "/" in text:
+            ipaddress.ip_interface(text)
+        else:
+            ipaddress.ip_address(text)
+    except ValueError:
+        shape = "an address with its prefix length such as 10.0.2.15/24" if network else "an IP"
+        raise SeedError(f"{what} must be {shape}, got {text!r}") from None
+    return text
 
 
 def _flag(what: str, value: object, allowed: tuple[bool, ...] = (True, False)) -> bool:
@@ -282,9 +297,9 @@ def _nic(key: str, value: object) -> Nic:
     return Nic(
         mac=_string(f"{what} match.macaddress", match.get("macaddress")).lower(),
         name=_string(f"{what} set-name", entry.get("set-name", key)),
-        addresses=tuple(_string(f"{what} addresses", a) for a in addresses),
-        gateway=None if gateway is None else _string(f"{what} gateway4", gateway),
-        nameservers=tuple(_string(f"{what} nameservers", a) for a in servers),
+        addresses=tuple(_ip(f"{what} addresses", a, network=True) for a in addresses),
+        gateway=None if gateway is None else _ip(f"{what} gateway4", gateway),
+        nameservers=tuple(_ip(f"{what} nameservers", a) for a in servers),
         dhcp=dhcp,
     )
 
@@ -460,7 +475,8 @@ def apply_network(
     seed: Seed,
     root: Path,
     sys_net: Path = Path("/sys/class/net"),
-    run: Callable[[list[str]], None] = lambda argv: _run(argv),
+    *,
+    run: Callable[[list[str]], None],
 ) -> None:
     """systemd-networkd configuration for each NIC, matched by MAC (networkd, ordered after
     this unit, applies it; no shell scripts per interface as with ifupdown), and its name: a
@@ -482,7 +498,9 @@ def apply_network(
         if nic.dhcp:
             lines = ["[Network]", "DHCP=ipv4"]
         else:  # user-mode networking: its SSH forward and DNS are IPv4, no IPv6 to wait for
+            # (and the addresses this unit gives the NIC now are networkd's own, kept)
             lines = ["[Network]", "LinkLocalAddressing=no", "IPv6AcceptRA=no"]
+            lines += ["KeepConfiguration=static"]
         lines += [f"Address={address}" for address in nic.addresses]
         lines += [f"Gateway={nic.gateway}"] if nic.gateway else []
         lines += [f"DNS={server}" for server in nic.nameservers]
@@ -497,6 +515,39 @@ def apply_network(
     elif resolvers:
         resolv.unlink(missing_ok=True)  # may be a link into a resolver's runtime folder
         _write(resolv, "".join(f"nameserver {r}\n" for r in resolvers).encode(), 0o644)
+
+
+def bring_up(
+    seed: Seed,
+    root: Path,
+    sys_net: Path = Path("/sys/class/net"),
+    *,
+    run: Callable[[list[str]], None],
+) -> None:
+    """Each static NIC that is there (named as the seed says), up with its addresses and
+    gateway now, at every boot: sshd (which starts before networkd in the project's lean
+    images) answers as soon as it listens, and networkd keeps them (KeepConfiguration=static).
+    A NIC whose driver is still loading is left to networkd, like one that fails here."""
+    for nic in seed.nics:
+        if not nic.dhcp and _nic_named(nic.mac, sys_net) == nic.name:
+            _bring_up(nic, root, run)
+
+
+def _bring_up(nic: Nic, root: Path, run: Callable[[list[str]], None]) -> None:
+    commands = [f"link set dev {nic.name} up"]
+    commands += [f"address replace {address} dev {nic.name}" for address in nic.addresses]
+    if nic.gateway:
+        commands.append(f"route replace default via {nic.gateway} dev {nic.name}")
+    batch = root / "run/vmsandbox-firstboot.ip"
+    _write(batch, "".join(f"{command}\n" for command in commands).encode(), 0o600)
+    try:
+        run(["ip", "-batch", str(batch)])
+    except SeedError as exc:
+        print(f"{PREFIX}: note: {nic.name} is left to systemd-networkd ({exc})", flush=True)
+        return
+    finally:
+        batch.unlink(missing_ok=True)
+    print(f"{PREFIX}: {nic.name} is up at {' '.join(nic.addresses)}", flush=True)
 
 
 def _nic_named(mac: str, sys_net: Path) -> str | None:
@@ -543,7 +594,8 @@ def apply(seed: Seed, root: Path = Path("/"), state: Path = STATE) -> None:
     apply_host_keys(seed, root)
     apply_users(seed, root, system_account)
     apply_files(seed, root, system_ids)
-    apply_network(seed, root)
+    apply_network(seed, root, run=_run)
+    bring_up(seed, root, run=_run)
     state.mkdir(mode=0o700, parents=True, exist_ok=True)
     if seed.runcmd:
         _write(state / RUNCMD_FILE, json.dumps(seed.runcmd).encode(), 0o600)
@@ -578,6 +630,7 @@ def main(argv: list[str]) -> int:
         done = STATE / "instance-id"
         if done.exists() and done.read_text().strip() == seed.instance_id:
             print(f"{PREFIX}: instance {seed.instance_id} is set up already", flush=True)
+            bring_up(seed, Path("/"), run=_run)
             return 0
         apply(seed)
     except (SeedError, OSError, ValueError) as exc:
