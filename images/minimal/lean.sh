@@ -9,21 +9,32 @@ root="$1"
 # initramfs-tools' (about 1.8 s under TCG: udev, its scripts, hooks for storage a sandbox has
 # not) becomes busybox and an /init that loads the root's modules and the NIC's with their
 # dependencies, mounts the root read-write and hands over to systemd. The NIC is there from the
-# start, so the first-boot unit gives it its address before sshd starts. It reads root= and rootdelay= from the kernel
-# command line and, when the root never shows up, says what initramfs-tools says (vmsandbox's
-# boot watcher fails the create on those lines).
+# start, so the first-boot unit gives it its address before sshd starts; with
+# vmsandbox.nic=late on the kernel command line (guests booting with passed GPUs: see
+# LATE_NIC_ARG in vmsandbox/image_build.py) its driver is left to udev. /init reads root= and
+# rootdelay= from the kernel command line too and, when the root never shows up, says what
+# initramfs-tools says (vmsandbox's boot watcher fails the create on those lines).
 kver=$(ls "$root/lib/modules")
 work="$root/tmp/vmsandbox-initrd"
 mkdir -p "$work/bin" "$work/dev" "$work/proc" "$work/root"
 cp "$root/bin/busybox" "$work/bin/busybox"
-for module in $(for name in virtio_pci virtio_blk virtio_net ext4; do
-                  chroot "$root" modprobe --show-depends --set-version "$kver" "$name"
-                done | awk '$1 == "insmod" && !seen[$2]++ {print $2}'); do
-  case "$module" in *.ko) ;; *) echo "unexpected module file $module" >&2; exit 1 ;; esac
-  mkdir -p "$work$(dirname "$module")"
-  cp "$root$module" "$work$module"
-  echo "$module" >> "$work/modules"
-done
+# $1: the list file in the initramfs; the rest: modules, loaded with their dependencies.
+add_modules() {
+  list="$1"
+  shift
+  for module in $(for name in "$@"; do
+                    chroot "$root" modprobe --show-depends --set-version "$kver" "$name"
+                  done | awk '$1 == "insmod" {print $2}'); do
+    case "$module" in *.ko) ;; *) echo "unexpected module file $module" >&2; exit 1 ;; esac
+    [ -e "$work$module" ] && continue
+    mkdir -p "$work$(dirname "$module")"
+    cp "$root$module" "$work$module"
+    echo "$module" >> "$work/$list"
+  done
+}
+: > "$work/modules.nic"
+add_modules modules virtio_pci virtio_blk ext4
+add_modules modules.nic virtio_net
 cat > "$work/init" <<'INIT'
 #!/bin/busybox sh
 # vmsandbox's initramfs: the root's modules, the root, then systemd (images/minimal/lean.sh).
@@ -31,10 +42,17 @@ b=/bin/busybox
 $b mount -t devtmpfs devtmpfs /dev
 $b mount -t proc proc /proc
 for module in $($b cat /modules); do $b insmod "$module"; done
-rootdev=/dev/vda delay=0
+rootdev=/dev/vda delay=0 nic=early
 for arg in $($b cat /proc/cmdline); do
-  case "$arg" in root=*) rootdev=${arg#root=} ;; rootdelay=*) delay=${arg#rootdelay=} ;; esac
+  case "$arg" in
+    root=*) rootdev=${arg#root=} ;;
+    rootdelay=*) delay=${arg#rootdelay=} ;;
+    vmsandbox.nic=late) nic=late ;;
+  esac
 done
+if [ "$nic" = early ]; then
+  for module in $($b cat /modules.nic); do $b insmod "$module"; done
+fi
 tries=$(( (delay + 30) * 20 ))
 while [ ! -b "$rootdev" ] && [ "$tries" -gt 0 ]; do $b usleep 50000; tries=$((tries - 1)); done
 if [ ! -b "$rootdev" ]; then
