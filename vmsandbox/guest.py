@@ -212,6 +212,17 @@ def _knock(endpoint: Endpoint, wait: float, every: float = KNOCK_EVERY_S) -> soc
             sock.close()
 
 
+def _gate_opens(sshd_reported: Callable[[], bool], wait: float) -> bool:
+    """Whether ``sshd_reported`` says yes within ``wait`` seconds, asked every GATE_POLL_S: the
+    caller's other checks (is the domain still running, a libvirt call) come once per wait."""
+    until = time.monotonic() + wait
+    while not sshd_reported():
+        if time.monotonic() >= until:
+            return False
+        time.sleep(GATE_POLL_S)
+    return True
+
+
 def wait_ready(
     endpoint: Endpoint,
     keys: SandboxKeys,
@@ -249,8 +260,7 @@ def wait_ready(
             last_report = now
             where = stage()
             progress(f"waiting for SSH ({now - start:.0f}s{', guest: ' + where if where else ''})")
-        if sshd_reported is not None and not sshd_reported():
-            time.sleep(GATE_POLL_S)
+        if sshd_reported is not None and not _gate_opens(sshd_reported, min(1.0, deadline - now)):
             continue
         wait = min(5.0, max(0.5, deadline - now))
         every = KNOCK_EVERY_S if sshd_reported is None else KNOCK_REPORTED_S
