@@ -27,7 +27,10 @@ def forward() -> Iterator[Callable[[Callable[[socket.socket], None]], guest.Endp
         servers.append(server)
 
         def serve() -> None:
-            conn, _ = server.accept()
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed at teardown: nothing knocked
+                return
             held.append(conn)
             behave(conn)
 
