@@ -164,7 +164,13 @@ cmd_exec() {
   running || die "no nested host runs; run setup/nested.sh start"
   local quoted
   quoted=$(printf '%q ' "$@")
-  ssh_l1 "export PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin; $quoted"
+  local rc=0
+  ssh_l1 "export PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin; $quoted" || rc=$?
+  if [ "$rc" = 255 ]; then
+    # ssh itself failed: say so when L1's kernel panicked (KVM inside TCG; see the README).
+    { grep -a -m1 "Kernel panic" "$STATE/console.log" || true; } | sed 's/^/[nested] L1: /' >&2
+  fi
+  return "$rc"
 }
 
 cmd_stop() {
