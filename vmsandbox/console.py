@@ -117,10 +117,9 @@ class ConsoleWatch:
         for line in lines:
             if SEED_READER_RE.search(line):
                 self.seed_reader_seen = True
-            if SSHD_STARTED_RE.search(line) or MULTI_USER_RE.search(line):
-                self.sshd_started_seen = True
-            if NETWORK_ONLINE_RE.search(line) or MULTI_USER_RE.search(line):
-                self.network_online_seen = True
+            both = MULTI_USER_RE.search(line) is not None
+            self.sshd_started_seen |= both or SSHD_STARTED_RE.search(line) is not None
+            self.network_online_seen |= both or NETWORK_ONLINE_RE.search(line) is not None
             if self.fatal is None and any(pattern.search(line) for pattern in FATAL):
                 self.fatal = line.strip()
         return self.fatal
