@@ -8,6 +8,8 @@
 #   setup/nested.sh exec -- CMD...    run CMD as root inside, vmsandbox on PATH; stdout, stderr
 #                                     and the exit status pass through
 #   setup/nested.sh stop              power L1 off and remove what start made (not the image)
+#   setup/nested.sh restart           stop, then start a fresh L1 (KVM inside TCG wears: see
+#                                     README, "The nested GPU host")
 #
 # Environment: PYTHON (default .venv/bin/python) runs vmsandbox here for the image builds;
 # VMSANDBOX_NESTED_DIR (default /var/tmp/vmsandbox-nested) holds the running host's files;
@@ -166,9 +168,10 @@ cmd_exec() {
   quoted=$(printf '%q ' "$@")
   local rc=0
   ssh_l1 "export PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin; $quoted" || rc=$?
-  if [ "$rc" = 255 ]; then
-    # ssh itself failed: say so when L1's kernel panicked (KVM inside TCG; see the README).
-    { grep -a -m1 "Kernel panic" "$STATE/console.log" || true; } | sed 's/^/[nested] L1: /' >&2
+  if [ "$rc" = 255 ] && grep -a -q "Kernel panic" "$STATE/console.log"; then
+    # ssh itself failed and L1's kernel panicked (KVM inside TCG; see the README): its last
+    # console lines hold the trace.
+    tail -n 60 "$STATE/console.log" | sed 's/^/[nested] L1: /' >&2
   fi
   return "$rc"
 }
@@ -189,5 +192,6 @@ case "${1:-}" in
   start) cmd_start ;;
   exec) shift; cmd_exec "$@" ;;
   stop) cmd_stop ;;
-  *) die "usage: setup/nested.sh start | exec -- CMD... | stop" ;;
+  restart) cmd_stop; cmd_start ;;
+  *) die "usage: setup/nested.sh start | exec -- CMD... | stop | restart" ;;
 esac

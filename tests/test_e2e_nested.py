@@ -5,9 +5,10 @@ cards (an RV100, 1002:5159, on radeon; a Rage 128 Pro, 1002:5046, on no driver);
 it creates L2 guests, with libvirt detaching the cards to vfio-pci and QEMU opening their VFIO
 groups. L1 runs KVM on its emulated SVM, so vmsandbox's probe picks KVM for L2, and the cards'
 small BARs give L2 SeaBIOS (``gpu_firmware`` "auto"; OVMF in L2 crashes the host's QEMU, README
-"The nested GPU host"). One L1 serves the whole module and is stopped at its end; one L2 holding
-both cards serves the tests of a running GPU sandbox. Every command below runs inside L1 through
-``setup/nested.sh exec``.
+"The nested GPU host"). No L1 boots more than three L2 guests (``fresh_host``): the first serves
+the inventory tests and one L2 holding both cards for the tests of a running GPU sandbox, a fresh
+one the kill tests, and each pooled guest gets a fresh one; the last is stopped at the module's
+end. Every command below runs inside L1 through ``setup/nested.sh exec``.
 
 The crash tests run the create through tests/crash_cli.py, which setup/nested.sh copies into L1
 with the code: at checkpoint ``<stage>`` it prints ``vmsandbox-checkpoint <stage>`` on stderr and
@@ -114,19 +115,31 @@ def leftovers(name: str) -> list[str]:
     return found + files.stdout.split()
 
 
-@pytest.fixture(scope="module")
-def host() -> Iterator[dict[str, Any]]:
-    """The running nested host, and its GPU inventory before any sandbox."""
+def boot_host(command: str) -> None:
+    """``setup/nested.sh start`` (a running L1 is reused) or ``restart`` (a fresh L1)."""
     started = subprocess.run(
-        ["bash", str(NESTED), "start"],
+        ["bash", str(NESTED), command],
         capture_output=True,
         text=True,
         env=nested_env(),
         timeout=START_TIMEOUT,
         check=False,
     )
+    assert started.returncode == 0, f"nested host did not {command}:\n{started.stderr[-4000:]}"
+
+
+def fresh_host() -> None:
+    """A freshly booted L1, without the last one's sandboxes, pool or config. KVM inside TCG
+    wears with the L2 guests it boots: in one L1, the fifth L2 boot or so can crawl (CI: still in
+    its initramfs after 300 s) or L1's kernel can panic, so no L1 here boots more than three."""
+    boot_host("restart")
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[dict[str, Any]]:
+    """The running nested host, and its GPU inventory before any sandbox."""
     try:
-        assert started.returncode == 0, f"nested host did not start:\n{started.stderr[-4000:]}"
+        boot_host("start")
         yield inventory()
     finally:
         subprocess.run(["bash", str(NESTED), "stop"], env=nested_env(), timeout=120, check=True)
@@ -249,9 +262,15 @@ def wait_for_checkpoint(proc: subprocess.Popen[bytes], stage: str, timeout: floa
         seen += chunk
 
 
+@pytest.fixture(scope="module")
+def host_for_kills(host: dict[str, Any]) -> None:
+    """A fresh L1 for the kill tests (two of them boot an L2)."""
+    fresh_host()
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_kill_at_each_create_stage_then_reconcile_restores_everything(
-    stage: str, cards: dict[str, str | None]
+    stage: str, cards: dict[str, str | None], host_for_kills: None
 ) -> None:
     name = generate_name("t")
     create = (
@@ -298,8 +317,13 @@ def pool_guests() -> list[dict[str, str]]:
     return list(shape["guests"])
 
 
-def fill_pool() -> str:
-    """Fill the pool (one GPU-ready guest) and return that guest's name."""
+def pooled_guest() -> str:
+    """A fresh L1 whose config (the nested image's, naming its image store) has the GPU-ready
+    shape added, its pool filled: that one guest's name."""
+    fresh_host()
+    original = inside("cat", POOL_CONFIG)
+    assert original.returncode == 0, original.stderr
+    write_config(f"{original.stdout}\n{POOL_TOML}")
     done = vmsandbox("pool", "fill", timeout=1200)
     assert done.returncode == 0, done.stderr
     (guest,) = pool_guests()
@@ -321,17 +345,9 @@ def write_config(text: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpu_pool(host: dict[str, Any]) -> Iterator[str]:
-    """L1's config (the nested image's, naming its image store) with the GPU-ready shape
-    added, and its pool filled; drained and the config put back at the end."""
-    original = inside("cat", POOL_CONFIG)
-    assert original.returncode == 0, original.stderr
-    write_config(f"{original.stdout}\n{POOL_TOML}")
-    try:
-        yield fill_pool()
-    finally:
-        vmsandbox("pool", "drain")
-        write_config(original.stdout)
+def gpu_pool(host: dict[str, Any]) -> str:
+    """The GPU-ready pooled guest of the first pool tests (in an L1 of their own)."""
+    return pooled_guest()
 
 
 def seen_ids(name: str) -> list[tuple[str, ...]]:
@@ -366,7 +382,7 @@ def test_a_request_larger_than_the_spare_ports_is_not_claimed(gpu_pool: str) -> 
 def test_a_pooled_claim_attaches_the_gpus_live(
     gpu_pool: str, cards: dict[str, str | None], count: int
 ) -> None:
-    guest = gpu_pool if count == 1 else fill_pool()
+    guest = gpu_pool if count == 1 else pooled_guest()
     name = generate_name("t")
     done = vmsandbox("--json", "create", name, "--gpu", str(count), *SMALL, "--no-refill")
     try:
@@ -388,9 +404,9 @@ def test_a_pooled_claim_attaches_the_gpus_live(
 
 
 def test_kill_mid_attach_then_reconcile_gives_the_cards_back(
-    gpu_pool: str, cards: dict[str, str | None]
+    cards: dict[str, str | None],
 ) -> None:
-    guest = fill_pool()
+    guest = pooled_guest()
     name = generate_name("t")
     create = (
         f"echo $$ > {CRASH_PID}; "
