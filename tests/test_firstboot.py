@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_seed import read_iso
 
 from vmsandbox.guest_tools import firstboot
@@ -82,6 +85,56 @@ def test_the_seed_vmsandbox_writes_is_read_whole(tmp_path: Path):
         "10.0.2.2",
     )
     assert (nic.nameservers, nic.dhcp) == (("10.0.2.3",), False)
+
+
+@pytest.mark.parametrize("guest", [SETUP, None])
+def test_the_unit_reads_the_seed_without_mounting_it(tmp_path: Path, guest: GuestSetup | None):
+    iso, texts = _seed_files(tmp_path, guest)
+    assert firstboot.read_seed(iso) == texts  # the same bytes isoinfo finds
+
+
+def _iso(tmp_path: Path, files: dict[str, bytes], *options: str) -> Path:
+    """An ISO 9660 volume labelled cidata holding ``files``, made by genisoimage."""
+    folder = tmp_path / "files"
+    folder.mkdir(exist_ok=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    iso = tmp_path / "volume.iso"
+    argv = ["genisoimage", "-quiet", "-output", str(iso), "-volid", "cidata", *options]
+    subprocess.run([*argv, *(str(folder / name) for name in files)], check=True)
+    return iso
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    user_data=st.text(max_size=5000),
+    meta=st.text(min_size=1, max_size=300),
+    network=st.one_of(st.none(), st.text(max_size=3000)),
+)
+def test_any_seed_text_is_read_back_as_written(
+    tmp_path: Path, user_data: str, meta: str, network: str | None
+):
+    files = {"user-data": user_data.encode(), "meta-data": meta.encode()}
+    if network is not None:
+        files["network-config"] = network.encode()
+    for old in tmp_path.glob("files/*"):
+        old.unlink()
+    iso = _iso(tmp_path, files, "-joliet", "-rock")
+    assert firstboot.read_seed(iso) == (user_data, meta, network or "")
+
+
+def test_a_seed_without_meta_data_or_joliet_names_what_is_missing(tmp_path: Path):
+    iso = _iso(tmp_path, {"user-data": b"#cloud-config\n{}"}, "-joliet", "-rock")
+    with pytest.raises(SeedError, match=f"the seed on {iso} has no meta-data"):
+        firstboot.read_seed(iso)
+    iso = _iso(tmp_path, {"meta-data": b"{}"}, "-rock")
+    with pytest.raises(SeedError, match="has no Joliet directory"):
+        firstboot.read_seed(iso)
+    (tmp_path / "zeros").write_bytes(bytes(64 * 1024))
+    with pytest.raises(SeedError, match="has no Joliet directory"):
+        firstboot.read_seed(tmp_path / "zeros")
 
 
 def test_a_seed_without_guest_setup_has_no_commands(tmp_path: Path):
@@ -172,7 +225,10 @@ def test_a_seed_is_applied_into_a_root(tmp_path: Path):
     firstboot.apply_host_keys(seed, root)
     firstboot.apply_users(seed, root, lambda _name: (os.getuid(), os.getgid(), "/home/sandbox"))
     firstboot.apply_files(seed, root, _ids)
-    firstboot.apply_network(seed, root, sys_net)
+    batches: list[str] = []
+    firstboot.apply_network(seed, root, sys_net, run=lambda argv: batches.append(_batch(argv)))
+    assert batches == []  # the files only
+    firstboot.bring_up(seed, root, sys_net, run=lambda argv: batches.append(_batch(argv)))
 
     def mode(path: str) -> int:
         return (root / path).stat().st_mode & 0o7777
@@ -195,13 +251,59 @@ def test_a_seed_is_applied_into_a_root(tmp_path: Path):
     network = root / "etc/systemd/network"
     assert (network / "50-vmsandbox-eth0.network").read_text() == (
         f"[Match]\nMACAddress={MAC}\n\n[Network]\nLinkLocalAddressing=no\nIPv6AcceptRA=no\n"
-        "Address=10.0.2.15/24\nGateway=10.0.2.2\nDNS=10.0.2.3\n"
+        "KeepConfiguration=static\nAddress=10.0.2.15/24\nGateway=10.0.2.2\nDNS=10.0.2.3\n"
     )
+    # The NIC is there: it gets its addresses now, before networkd (which keeps them) and sshd.
+    assert batches == [
+        "link set dev eth0 up\naddress replace 10.0.2.15/24 dev eth0\n"
+        "route replace default via 10.0.2.2 dev eth0\n"
+    ]
+    assert not (root / "run/vmsandbox-firstboot.ip").exists()
     assert (network / "50-vmsandbox-eth0.link").read_text() == (
         f"[Match]\nMACAddress={MAC}\n\n[Link]\nName=eth0\n"
     )
     resolv = root / "etc/resolv.conf"
     assert not resolv.is_symlink() and resolv.read_text() == "nameserver 10.0.2.3\n"
+
+
+def _batch(argv: list[str]) -> str:
+    """What ``ip -batch FILE`` would run (never run here: the test host's network is real)."""
+    assert argv[:2] == ["ip", "-batch"]
+    return Path(argv[2]).read_text()
+
+
+def test_a_nic_that_cannot_be_brought_up_is_left_to_networkd(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    seed = firstboot.parse(*_texts(_base()))
+    (tmp_path / "net/eth0").mkdir(parents=True)
+    (tmp_path / "net/eth0/address").write_text(MAC)
+
+    def refuse(argv: list[str]) -> None:
+        raise SeedError("ip -batch failed (exit 1): RTNETLINK answers: File exists")
+
+    firstboot.bring_up(seed, tmp_path, tmp_path / "net", run=refuse)
+    out = capsys.readouterr().out
+    assert "eth0 is left to systemd-networkd" in out and "error" not in out
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "says"),
+    [
+        (
+            "net/ethernets/eth0/addresses",
+            ["10.0.2.15/24\nDNS=1.1.1.1"],
+            "addresses must be one line",
+        ),
+        ("net/ethernets/eth0/addresses", ["10.0.2.999/24"], "addresses must be an address"),
+        ("net/ethernets/eth0/gateway4", "10.0.2.2 dev lo", "gateway4 must be an IP"),
+        ("net/ethernets/eth0/nameservers", {"addresses": ["dns.example"]}, "nameservers must be"),
+    ],
+)
+def test_network_values_must_be_addresses(path: str, value: Any, says: str):
+    """They go into networkd files and ip commands: no line or word can be slipped in."""
+    with pytest.raises(SeedError, match=says):
+        firstboot.parse(*_with(path, value))
 
 
 def test_a_file_for_a_missing_owner_names_it(tmp_path: Path):
@@ -223,6 +325,8 @@ def test_a_nic_the_kernel_named_otherwise_is_renamed_and_one_not_there_yet_is_no
     (tmp_path / "net/ens3/address").write_text(MAC)
     firstboot.apply_network(seed, tmp_path, tmp_path / "net", run=ran.append)
     assert ran == [["ip", "link", "set", "dev", "ens3", "name", "eth0"]]
+    firstboot.bring_up(seed, tmp_path, tmp_path / "net", run=ran.append)
+    assert len(ran) == 1  # sysfs still says ens3 here: nothing is brought up under another name
 
 
 def test_runcmd_runs_each_command_once_and_reports_failures(

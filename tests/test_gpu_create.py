@@ -14,6 +14,7 @@ from conftest import cli, cli_env, leftovers
 from conftest_host import umockdev_run
 
 from vmsandbox.config import Config
+from vmsandbox.image_build import LATE_NIC_ARG
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,6 +66,10 @@ def test_dry_run_prints_valid_xml_and_defines_nothing(config: Config, tmp_path: 
     xml.write_text(done.stdout)
     subprocess.run(["virt-xml-validate", str(xml), "domain"], check=True, capture_output=True)
     assert done.stdout.count("<hostdev ") == 12  # and the four NVSwitches
+    # the lean initramfs leaves the NIC's driver to udev in a guest booting with GPUs
+    assert f" {LATE_NIC_ARG}</cmdline>" in done.stdout
+    plain = _under("hgx_h100", config, *_vmsandbox("create", "t-dry", "--dry-run"))
+    assert plain.returncode == 0 and LATE_NIC_ARG not in plain.stdout
     assert leftovers(config, "t-dry") == []
 
 

@@ -37,12 +37,14 @@ SEED_READER_RE = re.compile(
     r"|vmsandbox-firstboot(: |\.service - )"
 )
 # The console saying that sshd has started (systemd's status line: the project's images have no
-# ``quiet`` on their kernel command line) and that the network is configured (networkd's
-# network-online target, which the first-boot unit's runcmd unit pulls in at every boot): sshd
-# may listen before networkd has given the NIC its address, and a knock sent then is lost for
-# seconds. The multi-user target comes after both and counts for both, should a line be lost.
+# ``quiet`` on their kernel command line) and that the network is configured (the first-boot
+# unit's line for a NIC it brought up itself, or networkd's network-online target): a knock
+# sent before the NIC has its address is lost for seconds. The multi-user target comes after
+# all of them and counts for both, should a line be lost.
 SSHD_STARTED_RE = re.compile(r"Started sshd?\.service\b")
-NETWORK_ONLINE_RE = re.compile(r"Reached target network-online\.target\b")
+NETWORK_ONLINE_RE = re.compile(
+    r"Reached target network-online\.target\b|vmsandbox-firstboot: \S+ is up at "
+)
 MULTI_USER_RE = re.compile(r"Reached target multi-user\.target\b")
 
 _STAGES = (

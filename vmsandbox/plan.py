@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from vmsandbox import domain as domain_xml
 from vmsandbox.errors import InvalidArgument, ResourceExhausted
-from vmsandbox.image_build import KERNEL_CMDLINE
+from vmsandbox.image_build import KERNEL_CMDLINE, LATE_NIC_ARG
 from vmsandbox.images import BaseImage
 from vmsandbox.process import ProcessIdentity
 from vmsandbox.record import (
@@ -130,7 +130,7 @@ def plan(
         state=STATE_CREATING,
         kernel=image.kernel if image else image_dir / "vmlinuz",
         initrd=image.initrd if image else image_dir / "initrd.img",
-        cmdline=image.cmdline if image else KERNEL_CMDLINE,
+        cmdline=(image.cmdline if image else KERNEL_CMDLINE) + (f" {LATE_NIC_ARG}" if gpus else ""),
         network=config.network,
         mac=mac,
         ssh_port=port,

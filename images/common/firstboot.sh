@@ -11,8 +11,9 @@ units="$root/etc/systemd/system"
 # files. Its lines go to the console, where vmsandbox's boot watcher reads them. The network is
 # systemd-networkd's (part of systemd; the recipes leave ifupdown out), configured by this unit.
 # It is the way to sshd, so it starts as soon as the root filesystem has its fstab options
-# (the kernel mounts it read-write) and runs at a higher priority than the rest of the boot,
-# which shares the single vCPU with it.
+# (the kernel mounts it read-write) and, while the guest boots, gets ten times the CPU share of
+# any other unit, which share the single vCPU with it (a CPU weight: with the cgroup CPU
+# controller on, a nice value counts only inside the unit).
 cat > "$units/vmsandbox-firstboot.service" <<'UNIT'
 [Unit]
 Description=vmsandbox first boot from the NoCloud seed
@@ -24,7 +25,7 @@ Conflicts=shutdown.target
 [Service]
 Type=oneshot
 RemainAfterExit=yes
-Nice=-10
+StartupCPUWeight=1000
 ExecStart=/usr/bin/python3 -I -S /usr/lib/vmsandbox/firstboot.pyc
 StandardOutput=journal+console
 StandardError=journal+console
@@ -34,7 +35,8 @@ WantedBy=sysinit.target
 UNIT
 
 # The seed's runcmd (the guest setup's units started), beside sshd as cloud-init's late stages
-# ran it: once, when the first-boot unit left commands to run.
+# ran it: once, when the first-boot unit left commands to run. It pulls in network-online.target
+# at every boot, whose line on the console tells vmsandbox's SSH wait that the network is up.
 cat > "$units/vmsandbox-runcmd.service" <<'UNIT'
 [Unit]
 Description=vmsandbox first boot: the NoCloud seed's runcmd

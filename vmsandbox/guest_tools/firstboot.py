@@ -20,28 +20,37 @@ instance-id. Standard library only: it runs with ``python3 -I -S``.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import grp
+import ipaddress
 import json
 import os
 import pwd
-import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import namedtuple
 from pathlib import Path
 
-TYPE_CHECKING = False  # typing is not imported at run time: every import costs under TCG
+# Every import costs under TCG, on the way to sshd: typing, dataclasses (inspect) and subprocess
+# (imported only to start a program, which a first boot with the image's defaults never does)
+# are kept out of the way.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 PREFIX = "vmsandbox-firstboot"
 LABEL = b"cidata"
 STATE = Path("/var/lib/vmsandbox")
 RUNCMD_FILE = "runcmd.json"
-# The ISO 9660 primary volume descriptor: sector 16; "CD001" at byte 1, the volume id at 40.
-PVD_OFFSET = 16 * 2048
+# ISO 9660: 2048-byte sectors; the primary volume descriptor at sector 16 ("CD001" at byte 1,
+# the volume id at 40), the others after it; a Joliet one is a supplementary descriptor (type 2)
+# with one of the UCS-2 escape sequences at byte 88.
+ISO_SECTOR = 2048
+PVD_OFFSET = 16 * ISO_SECTOR
+JOLIET_ESCAPES = (b"%/@", b"%/C", b"%/E")
+MAX_DESCRIPTORS = 16
+MAX_DIRECTORY = 64 * ISO_SECTOR
 SEED_WAIT_S = 60.0
 POLL_S = 0.05
 SSH_KEY_TYPES = ("rsa", "ecdsa", "ed25519")
@@ -88,53 +97,60 @@ def _string(what: str, value: object) -> str:
     return value
 
 
+def _ip(what: str, value: object, *, network: bool = False) -> str:
+    """An IP address (``network``: with its prefix length, as 10.0.2.15/24), as given."""
+    text = _string(what, value)
+    try:
+        if network and "/" in text:
+            ipaddress.ip_interface(text)
+        else:
+            ipaddress.ip_address(text)
+    except ValueError:
+        shape = "an address with its prefix length such as 10.0.2.15/24" if network else "an IP"
+        raise SeedError(f"{what} must be {shape}, got {text!r}") from None
+    return text
+
+
 def _flag(what: str, value: object, allowed: tuple[bool, ...] = (True, False)) -> bool:
     if value not in allowed or not isinstance(value, bool):
         raise SeedError(f"{what} must be {' or '.join(map(str, allowed)).lower()}, got {value!r}")
     return value
 
 
-@dataclass(frozen=True)
-class User:
-    name: str
-    shell: str
-    sudo: str | None
-    keys: tuple[str, ...]
+class User(namedtuple("User", "name shell sudo keys")):
+    """A user: name, shell, sudo rule (None: none), authorized keys."""
+
+    __slots__ = ()
 
 
-@dataclass(frozen=True)
-class File:
-    path: str
-    data: bytes = field(repr=False)  # may be a secret
-    mode: int
-    owner: str
-    group: str
-    append: bool
+class File(namedtuple("File", "path data mode owner group append")):
+    """One of write_files: its data is bytes and may be a secret, never shown."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"File(path={self.path!r}, mode={self.mode:#o}, owner={self.owner!r}, ...)"
 
 
-@dataclass(frozen=True)
-class Nic:
-    mac: str
-    name: str
-    addresses: tuple[str, ...]
-    gateway: str | None
-    nameservers: tuple[str, ...]
-    dhcp: bool
+class Nic(namedtuple("Nic", "mac name addresses gateway nameservers dhcp")):
+    """A NIC by MAC: its name, static addresses (CIDR), gateway, name servers, or DHCP."""
+
+    __slots__ = ()
 
 
-@dataclass(frozen=True)
-class Seed:
-    """A seed, checked whole: what the guest gets."""
+class Seed(
+    namedtuple(
+        "Seed",
+        "instance_id hostname manage_etc_hosts users delete_host_keys host_keys files runcmd nics",
+    )
+):
+    """A seed, checked whole: what the guest gets (host_keys: file name under /etc/ssh -> its
+    text; never shown, like the files)."""
 
-    instance_id: str
-    hostname: str
-    manage_etc_hosts: bool
-    users: tuple[User, ...]
-    delete_host_keys: bool
-    host_keys: dict[str, str] = field(repr=False)  # file name under /etc/ssh -> its text
-    files: tuple[File, ...]
-    runcmd: tuple[list[str], ...]
-    nics: tuple[Nic, ...]
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"Seed(instance_id={self.instance_id!r}, hostname={self.hostname!r}, ...)"
 
 
 def parse(user_data: str, meta_data: str, network_config: str) -> Seed:
@@ -222,7 +238,7 @@ def _file(index: int, value: object) -> File:
         raise SeedError(f"{what} content must be text")
     encoding = entry.get("encoding", "text/plain")
     if encoding in ("b64", "base64"):
-        data = base64.b64decode(content, validate=True)
+        data = binascii.a2b_base64(content, strict_mode=True)
     elif encoding == "text/plain":
         data = content.encode()
     else:
@@ -281,9 +297,9 @@ def _nic(key: str, value: object) -> Nic:
     return Nic(
         mac=_string(f"{what} match.macaddress", match.get("macaddress")).lower(),
         name=_string(f"{what} set-name", entry.get("set-name", key)),
-        addresses=tuple(_string(f"{what} addresses", a) for a in addresses),
-        gateway=None if gateway is None else _string(f"{what} gateway4", gateway),
-        nameservers=tuple(_string(f"{what} nameservers", a) for a in servers),
+        addresses=tuple(_ip(f"{what} addresses", a, network=True) for a in addresses),
+        gateway=None if gateway is None else _ip(f"{what} gateway4", gateway),
+        nameservers=tuple(_ip(f"{what} nameservers", a) for a in servers),
         dhcp=dhcp,
     )
 
@@ -321,27 +337,78 @@ def find_seed(dev: Path = Path("/dev"), timeout: float = SEED_WAIT_S) -> Path:
         time.sleep(POLL_S)
 
 
-def read_seed(device: Path, mountpoint: Path = Path("/run/vmsandbox-seed")) -> tuple[str, ...]:
-    """user-data, meta-data and network-config ("" when absent) of the seed on ``device``."""
-    mountpoint.mkdir(mode=0o700, exist_ok=True)
-    _run(["mount", "-t", "iso9660", "-o", "ro,nosuid,nodev,noexec", str(device), str(mountpoint)])
+def read_seed(device: Path) -> tuple[str, ...]:
+    """user-data, meta-data and network-config ("" when absent) of the seed on ``device``,
+    read from its Joliet directory (vmsandbox writes the seed with genisoimage -joliet): no
+    mount, so no mount and umount programs and no iso9660 driver to load on the way to sshd."""
     try:
-        texts = []
-        for name in ("user-data", "meta-data", "network-config"):
-            path = mountpoint / name
-            if name != "network-config" and not path.exists():
-                raise SeedError(f"the seed on {device} has no {name}")
-            texts.append(path.read_text() if path.exists() else "")
-        return tuple(texts)
-    finally:
-        _run(["umount", str(mountpoint)])
-        mountpoint.rmdir()
+        with device.open("rb") as volume:
+            files = _joliet_root(volume, device)
+            texts = []
+            for name in ("user-data", "meta-data", "network-config"):
+                if name not in files:
+                    if name == "network-config":
+                        texts.append("")
+                        continue
+                    raise SeedError(f"the seed on {device} has no {name}")
+                extent, size = files[name]
+                volume.seek(extent * ISO_SECTOR)
+                data = volume.read(size)
+                if len(data) != size:
+                    raise SeedError(f"the seed on {device} ends inside {name}")
+                texts.append(data.decode())
+            return tuple(texts)
+    except UnicodeDecodeError as exc:
+        raise SeedError(f"the seed on {device} holds a file that is not UTF-8 ({exc})") from exc
+
+
+def _joliet_root(volume: Any, device: Path) -> dict[str, tuple[int, int]]:
+    """The files in the root directory of the volume's Joliet tree: name -> (extent, size)."""
+    for sector in range(16, 16 + MAX_DESCRIPTORS):
+        volume.seek(sector * ISO_SECTOR)
+        descriptor = volume.read(ISO_SECTOR)
+        if len(descriptor) < ISO_SECTOR or descriptor[1:6] != b"CD001" or descriptor[0] == 255:
+            break
+        if descriptor[0] == 2 and descriptor[88:91] in JOLIET_ESCAPES:
+            root = descriptor[156:190]
+            extent, size = _u32(root, 2), _u32(root, 10)
+            if size > MAX_DIRECTORY:
+                raise SeedError(f"the seed on {device} has a root directory of {size} bytes")
+            volume.seek(extent * ISO_SECTOR)
+            return _directory(volume.read(size))
+    raise SeedError(f"the seed on {device} has no Joliet directory (vmsandbox writes one)")
+
+
+def _directory(data: bytes) -> dict[str, tuple[int, int]]:
+    """The plain files of one ISO 9660 directory with Joliet (UCS-2) names, version cut."""
+    files = {}
+    at = 0
+    while at < len(data):
+        length = data[at]
+        if length == 0:  # records do not cross sectors: the rest of this one is padding
+            at = (at // ISO_SECTOR + 1) * ISO_SECTOR
+            continue
+        record = data[at : at + length]
+        at += length
+        name_length = record[32]
+        if length < 33 + name_length or record[25] & 0x02:  # short, or a directory
+            continue
+        name = record[33 : 33 + name_length].decode("utf-16-be", errors="replace")
+        files[name.split(";", 1)[0]] = (_u32(record, 2), _u32(record, 10))
+    return files
+
+
+def _u32(data: bytes, at: int) -> int:
+    """The little-endian half of an ISO 9660 both-endian 32-bit number."""
+    return int.from_bytes(data[at : at + 4], "little")
 
 
 # -- applying it ----------------------------------------------------------------------------------
 
 
 def _run(argv: list[str]) -> None:
+    import subprocess
+
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SeedError(f"{' '.join(argv)} failed (exit {done.returncode}): {done.stderr.strip()}")
@@ -408,7 +475,8 @@ def apply_network(
     seed: Seed,
     root: Path,
     sys_net: Path = Path("/sys/class/net"),
-    run: Callable[[list[str]], None] = lambda argv: _run(argv),
+    *,
+    run: Callable[[list[str]], None],
 ) -> None:
     """systemd-networkd configuration for each NIC, matched by MAC (networkd, ordered after
     this unit, applies it; no shell scripts per interface as with ifupdown), and its name: a
@@ -430,7 +498,9 @@ def apply_network(
         if nic.dhcp:
             lines = ["[Network]", "DHCP=ipv4"]
         else:  # user-mode networking: its SSH forward and DNS are IPv4, no IPv6 to wait for
+            # (and the addresses this unit gives the NIC now are networkd's own, kept)
             lines = ["[Network]", "LinkLocalAddressing=no", "IPv6AcceptRA=no"]
+            lines += ["KeepConfiguration=static"]
         lines += [f"Address={address}" for address in nic.addresses]
         lines += [f"Gateway={nic.gateway}"] if nic.gateway else []
         lines += [f"DNS={server}" for server in nic.nameservers]
@@ -445,6 +515,39 @@ def apply_network(
     elif resolvers:
         resolv.unlink(missing_ok=True)  # may be a link into a resolver's runtime folder
         _write(resolv, "".join(f"nameserver {r}\n" for r in resolvers).encode(), 0o644)
+
+
+def bring_up(
+    seed: Seed,
+    root: Path,
+    sys_net: Path = Path("/sys/class/net"),
+    *,
+    run: Callable[[list[str]], None],
+) -> None:
+    """Each static NIC that is there (named as the seed says), up with its addresses and
+    gateway now, at every boot: sshd (which starts before networkd in the project's lean
+    images) answers as soon as it listens, and networkd keeps them (KeepConfiguration=static).
+    A NIC whose driver is still loading is left to networkd, like one that fails here."""
+    for nic in seed.nics:
+        if not nic.dhcp and _nic_named(nic.mac, sys_net) == nic.name:
+            _bring_up(nic, root, run)
+
+
+def _bring_up(nic: Nic, root: Path, run: Callable[[list[str]], None]) -> None:
+    commands = [f"link set dev {nic.name} up"]
+    commands += [f"address replace {address} dev {nic.name}" for address in nic.addresses]
+    if nic.gateway:
+        commands.append(f"route replace default via {nic.gateway} dev {nic.name}")
+    batch = root / "run/vmsandbox-firstboot.ip"
+    _write(batch, "".join(f"{command}\n" for command in commands).encode(), 0o600)
+    try:
+        run(["ip", "-batch", str(batch)])
+    except SeedError as exc:
+        print(f"{PREFIX}: note: {nic.name} is left to systemd-networkd ({exc})", flush=True)
+        return
+    finally:
+        batch.unlink(missing_ok=True)
+    print(f"{PREFIX}: {nic.name} is up at {' '.join(nic.addresses)}", flush=True)
 
 
 def _nic_named(mac: str, sys_net: Path) -> str | None:
@@ -491,7 +594,8 @@ def apply(seed: Seed, root: Path = Path("/"), state: Path = STATE) -> None:
     apply_host_keys(seed, root)
     apply_users(seed, root, system_account)
     apply_files(seed, root, system_ids)
-    apply_network(seed, root)
+    apply_network(seed, root, run=_run)
+    bring_up(seed, root, run=_run)
     state.mkdir(mode=0o700, parents=True, exist_ok=True)
     if seed.runcmd:
         _write(state / RUNCMD_FILE, json.dumps(seed.runcmd).encode(), 0o600)
@@ -500,6 +604,8 @@ def apply(seed: Seed, root: Path = Path("/"), state: Path = STATE) -> None:
 
 def run_commands(state: Path = STATE) -> int:
     """``--runcmd``: the seed's commands, in order, once; every failure is reported."""
+    import subprocess
+
     path = state / RUNCMD_FILE
     commands = json.loads(path.read_text())
     path.unlink()
@@ -524,6 +630,7 @@ def main(argv: list[str]) -> int:
         done = STATE / "instance-id"
         if done.exists() and done.read_text().strip() == seed.instance_id:
             print(f"{PREFIX}: instance {seed.instance_id} is set up already", flush=True)
+            bring_up(seed, Path("/"), run=_run)
             return 0
         apply(seed)
     except (SeedError, OSError, ValueError) as exc:
