@@ -44,7 +44,7 @@ running() { [ -f "$STATE/qemu.pid" ] && kill -0 "$(cat "$STATE/qemu.pid")" 2>/de
 ssh_l1() {
   ssh -q -T -p "$(cat "$STATE/port")" -i "$STATE/id_ed25519" \
     -o UserKnownHostsFile="$STATE/known_hosts" -o StrictHostKeyChecking=yes \
-    -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=8 \
+    -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4 \
     -o LogLevel=ERROR root@127.0.0.1 "$@"
 }
 
