@@ -39,8 +39,9 @@ def stop(hypervisor: Hypervisor, domain: str, *, grace: float) -> None:
     still runs after ``grace`` seconds. Nothing to do for a domain that does not run.
 
     A press is lost when nothing in the guest listens yet: a guest that has just answered SSH
-    may still be starting logind (the project's images start it after sshd), and a stop right
-    after a create must not wait out the whole grace."""
+    may still be loading its ACPI button driver or starting logind (the project's lean images
+    coldplug the button and start logind after sshd), and a stop right after a create must not
+    wait out the whole grace."""
     start = time.monotonic()
     deadline = start + grace
     presses = 0
