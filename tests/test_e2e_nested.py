@@ -372,6 +372,7 @@ def pooled_guest() -> str:
 
 
 def fill_pool() -> str:
+    """Add the GPU-ready shape to L1's config (once), fill the pool: its one guest's name."""
     original = inside("cat", POOL_CONFIG)
     assert original.returncode == 0, original.stderr
     if POOL_TOML not in original.stdout:
