@@ -156,12 +156,12 @@ def l1_lost() -> bool:
 def in_a_fresh_l1(step: Callable[[], T]) -> T:
     """Run ``step``, which boots an L2 guest, in an L1 that has booted none yet (a fresh one
     unless the running one is unused); when L1 dies during it, run it again in another, up to
-    ``L1_TRIES`` L1s. KVM inside a TCG guest wore and broke while L1's CPU was ``-cpu max``: in
-    the same L1 a later L2 boot crawled (CI: a fifth L2 still in its initramfs after 300 s; here
-    a second L2 took 240 s to its first boot), and L1's kernel panicked in KVM's vCPU reset or
-    stopped answering while it started a KVM guest (README, "The nested GPU host"). L1 is an
-    EPYC now, which showed neither in the loops tried; this stays as the guard, since the cause
-    is not known. Both are the test host's faults, not vmsandbox's; a fresh L1 costs 15-50 s."""
+    ``L1_TRIES`` L1s. KVM inside a TCG guest is unreliable: an L2 boot can crawl (CI: the fifth
+    L2 of one L1 still in its initramfs after 300 s; here a second L2 took 240 s to its first
+    boot), and L1's kernel can panic (a vCPU thread's stack overflowed in its exception entry)
+    or stop answering while it starts a KVM guest (README, "The nested GPU host"). Both were
+    frequent with ``-cpu max`` and rarer with the EPYC L1 now, not gone. They are the test
+    host's faults, not vmsandbox's; a fresh L1 costs 15-50 s."""
     for tries_left in range(L1_TRIES - 1, -1, -1):
         if L1.booted_an_l2:
             boot_host("restart")
