@@ -35,8 +35,8 @@ QEMU=/usr/bin/qemu-system-x86_64
 # in qemu.log). KVM inside TCG is unreliable either way (README, "The nested GPU host"): L2 boots
 # crawl now and then and L1's kernel can overflow a vCPU thread's stack in its exception entry
 # and panic. With `-cpu max` loops here crawled at the second create in one L1 (`max,-vgif` too);
-# with EPYC 11 creates in a row in two loops took 42-50 s each, but a later module run still saw
-# a crawl and a panic in a fresh EPYC L1. Fewer, not none; the tests retry in a fresh L1.
+# with EPYC 11 creates in a row in two loops took 42-50 s each, but a later module run lost 2 of
+# its 8 EPYC L1s (a crawl, panics). Not fixed, perhaps rarer; the tests retry in a fresh L1.
 L1_CPU=EPYC
 # The two cards: an RV100 (Radeon 7000, 1002:5159, which radeon drives) and a Rage 128 Pro
 # (1002:5046, which no driver of the generic kernel binds by default), in slots of their own so

@@ -134,7 +134,7 @@ L1_CONSOLE = (
     Path(os.environ.get("VMSANDBOX_NESTED_DIR", "/var/tmp/vmsandbox-nested")) / "console.log"
 )
 T = TypeVar("T")
-L1_TRIES = 3  # L1s a step that boots an L2 may use; 3 of 21 L1s died under -cpu max
+L1_TRIES = 3  # L1s a step that boots an L2 may use; about 1 L1 in 6 died in the runs here
 
 
 class L1:
@@ -160,7 +160,7 @@ def in_a_fresh_l1(step: Callable[[], T]) -> T:
     L2 of one L1 still in its initramfs after 300 s; here a second L2 took 240 s to its first
     boot), and L1's kernel can panic (a vCPU thread's stack overflowed in its exception entry)
     or stop answering while it starts a KVM guest (README, "The nested GPU host"). Both were
-    frequent with ``-cpu max`` and rarer with the EPYC L1 now, not gone. They are the test
+    frequent with ``-cpu max`` and are not gone with the EPYC L1 now. They are the test
     host's faults, not vmsandbox's; a fresh L1 costs 15-50 s."""
     for tries_left in range(L1_TRIES - 1, -1, -1):
         if L1.booted_an_l2:
