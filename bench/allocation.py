@@ -98,8 +98,8 @@ class Worker:
         """
         from vmsandbox import allocator
         from vmsandbox.errors import ResourceExhausted
+        from vmsandbox.gpuquery import GpuRequest
         from vmsandbox.lock import host_lock
-        from vmsandbox.spec import GpuRequest
 
         name = common.name("alloc", str(self.made))  # bench-alloc-<this pid>-<n>
         self.made += 1

@@ -24,10 +24,9 @@ from vmsandbox.errors import (
     ResourceExhausted,
     VmSandboxError,
 )
-from vmsandbox.gpuquery import memory_satisfies, model_matches
+from vmsandbox.gpuquery import GpuRequest, memory_satisfies, model_matches
 from vmsandbox.host.discover import IOMMU_OFF
 from vmsandbox.host.model import Gpu, Inventory
-from vmsandbox.spec import GpuRequest
 
 HOSTS = [
     "hgx_h100",

@@ -15,9 +15,8 @@ from conftest_host import inventory_from_dict, probe
 from vmsandbox.allocator import select
 from vmsandbox.compat import tako
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.gpuquery import normalise_device_id
+from vmsandbox.gpuquery import GpuRequest, normalise_device_id
 from vmsandbox.host.model import Inventory
-from vmsandbox.spec import GpuRequest
 
 ROCM_UUID = "GPU-3f5a9c0e71b2d486"
 MI300X = "0000:03:00.0"

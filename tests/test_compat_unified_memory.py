@@ -20,8 +20,8 @@ from conftest_host import inventory_from_dict, probe
 from vmsandbox.allocator import select
 from vmsandbox.compat import flowmesh
 from vmsandbox.errors import FailedPrecondition
+from vmsandbox.gpuquery import GpuRequest
 from vmsandbox.host.model import Inventory
-from vmsandbox.spec import GpuRequest
 
 GB10 = "000f:01:00.0"
 POOL_MIB = 128 * 1024  # MemTotal of the fake /proc/meminfo

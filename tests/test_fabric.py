@@ -17,14 +17,14 @@ from conftest import cli_env
 from conftest_host import umockdev_run
 from test_allocator import HGX, discover_hosts
 
-from vmsandbox.allocator import allocate
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from vmsandbox.fabric import nvlink, render, state
+from vmsandbox.fabric import render, state
 from vmsandbox.fabric.fmpm import Fmpm
 from vmsandbox.fabric.lease import FabricLease
 from vmsandbox.fabric.mode import FULL_PASSTHROUGH, NONE, SHARED, VGPU, FabricMode, detect
 from vmsandbox.fabric.partitions import parse_partition_list
+from vmsandbox.fabric.policy import allocate
 from vmsandbox.fabric.state import Fabric
 from vmsandbox.fabric.version import (
     check_driver_matches,
@@ -33,9 +33,10 @@ from vmsandbox.fabric.version import (
     parse_fm_version,
     upstream_version,
 )
+from vmsandbox.gpuquery import GpuRequest
 from vmsandbox.guest import ExecResult
 from vmsandbox.host.model import Inventory
-from vmsandbox.spec import GpuRequest
+from vmsandbox.verify import nvlink
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FAKE_FMPM = FIXTURES / "fmpm" / "fmpm"

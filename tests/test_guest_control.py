@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vmsandbox import control, spec
+from vmsandbox import control, validate
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from vmsandbox.guest_tools import control as guest_control
 from vmsandbox.guest_tools.control import RequestError, answer, parse, set_hostname
@@ -25,8 +25,8 @@ SOURCE = Path(guest_control.__file__)
 
 
 def test_the_guest_keeps_vmsandboxs_name_grammar() -> None:
-    assert guest_control.NAME_RE.pattern == spec._NAME_RE.pattern
-    assert guest_control.NAME_MAX == spec.NAME_MAX
+    assert guest_control.NAME_RE.pattern == validate._NAME_RE.pattern
+    assert guest_control.NAME_MAX == validate.NAME_MAX
 
 
 @pytest.mark.parametrize("name", ["x", "box-7", "a" * 48, "0sandbox0"])

@@ -24,13 +24,14 @@ from lxml import etree
 from test_allocator import discover_hosts
 
 from vmsandbox import passthrough
-from vmsandbox.allocator import Allocation, allocate, select
+from vmsandbox.allocator import Allocation, select
 from vmsandbox.domain import QEMU_NS, DomainPlan, build_domain_xml
 from vmsandbox.fabric.mode import FULL_PASSTHROUGH, FabricMode
+from vmsandbox.fabric.policy import allocate
 from vmsandbox.fabric.state import Fabric
+from vmsandbox.gpuquery import GpuRequest
 from vmsandbox.host.model import Bar, Gpu, Inventory
 from vmsandbox.numa import format_cpuset, host_cpus_by_node, parse_cpulist
-from vmsandbox.spec import GpuRequest
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 SCHEMA = Path("/usr/share/libvirt/schemas/domain.rng")

@@ -19,7 +19,7 @@ from fake_hypervisor import FakeHypervisor, refuse, unit_config
 from lxml import etree
 from test_allocator import discover_hosts
 
-from vmsandbox import gpuclaim, hotplug, lifecycle, warmpool
+from vmsandbox import gpuclaim, hotplug, lifecycle, pool, warmpool
 from vmsandbox.config import Config
 from vmsandbox.errors import (
     DeadlineExceeded,
@@ -27,11 +27,12 @@ from vmsandbox.errors import (
     GuestVerificationFailed,
     InvalidArgument,
 )
+from vmsandbox.gpuquery import GpuRequest
 from vmsandbox.guest import Endpoint, ExecResult
 from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.host.model import Inventory
 from vmsandbox.manager import SandboxManager
-from vmsandbox.spec import GpuRequest, SandboxSpec
+from vmsandbox.spec import SandboxSpec
 
 SHAPE = {"image": "tiny", "memory_mib": 256, "disk_gib": 1, "count": 1, "gpus": 2}
 DEAD = {"pid": 1, "start": "0", "boot": "another boot"}
@@ -141,7 +142,7 @@ def manager(
 def pooled_guest(manager: SandboxManager) -> str:
     """A GPU-ready pooled guest made by the fill steps (not waited for: no sshd here)."""
     shape = manager.config.pool[0]
-    spec = shape.spec()
+    spec = pool.shape_spec(shape)
     assert spec.name is not None
     creation = manager.pool.creation(spec, spec.name, manager.images.get("tiny"), print)
     creation.wait = False
@@ -227,7 +228,7 @@ def test_a_host_without_gpu_ready_guests_boots_cold(
     """A pooled guest without spare ports (filled where there was no bindable GPU) serves
     GPU-less creates only."""
     shape = manager.config.pool[0]
-    spec = shape.spec()
+    spec = pool.shape_spec(shape)
     assert spec.name is not None
     creation = manager.pool.creation(spec, spec.name, manager.images.get("tiny"), print)
     creation.wait, creation.room = False, lambda: True
@@ -319,7 +320,8 @@ def test_a_bad_gpus_count_of_a_shape_names_its_field(tmp_path: Path) -> None:
 
 
 def test_hostdevs_attach_companions_before_function_0(board: Inventory) -> None:
-    from vmsandbox.record import GpuRecord, HotplugRecord, SandboxRecord
+    from vmsandbox.gpurecord import GpuRecord
+    from vmsandbox.record import HotplugRecord, SandboxRecord
 
     gpu = replace(
         board.gpus[0], companions=("0000:18:00.1",), companion_ids=(("0x10de", "0x22a3"),)

@@ -20,15 +20,14 @@ import pytest
 from fake_hypervisor import IMAGE_ID, FakeHypervisor, unit_config
 from lxml import etree
 
-from vmsandbox import control, lifecycle, warmpool
-from vmsandbox.config import Config
+from vmsandbox import control, lifecycle, pool, warmpool
+from vmsandbox.config import Config, PoolShape, parse_pool
 from vmsandbox.domain import CONTROL_PORT
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, VmSandboxError
 from vmsandbox.guest import HostKeyMismatch
 from vmsandbox.guest_tools import control as guest_control
 from vmsandbox.keys import KeyPair, generate
 from vmsandbox.manager import SandboxManager
-from vmsandbox.pool import PoolShape, parse_table
 from vmsandbox.record import names_domain
 from vmsandbox.spec import SandboxSpec
 
@@ -55,7 +54,7 @@ def manager(config: Config, hv: FakeHypervisor) -> Iterator[SandboxManager]:
 def pooled_guest(manager: SandboxManager) -> str:
     """A pooled guest made by the fill steps, without waiting for SSH (there is no guest)."""
     shape = manager.config.pool[0]
-    spec = shape.spec()
+    spec = pool.shape_spec(shape)
     assert spec.name is not None
     creation = manager.pool.creation(spec, spec.name, manager.images.get("tiny"), print)
     creation.wait = False
@@ -71,12 +70,12 @@ def everything(config: Config, hv: FakeHypervisor) -> list[str]:
 
 
 def test_a_count_names_the_image_and_a_table_names_a_shape() -> None:
-    shapes = parse_table({"minimal": 2, "big": {"image": "minimal", "cpus": 2, "count": 1}})
+    shapes = parse_pool({"minimal": 2, "big": {"image": "minimal", "cpus": 2, "count": 1}})
     assert shapes == (
         PoolShape("minimal", "minimal", 1, 1024, 4, 2),
         PoolShape("big", "minimal", 2, 1024, 4, 1),
     )
-    ready = parse_table({"gpu": {"image": "minimal", "gpus": 2}})
+    ready = parse_pool({"gpu": {"image": "minimal", "gpus": 2}})
     assert ready == (PoolShape("gpu", "minimal", 1, 1024, 4, 1, gpus=2),)
 
 
@@ -95,7 +94,7 @@ def test_a_count_names_the_image_and_a_table_names_a_shape() -> None:
 )
 def test_a_bad_pool_entry_names_its_field(table: dict[str, object], field: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
-        parse_table(table)
+        parse_pool(table)
     assert caught.value.details["field"] == field
 
 

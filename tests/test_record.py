@@ -8,7 +8,8 @@ import pytest
 
 from vmsandbox import credential
 from vmsandbox.errors import FailedPrecondition
-from vmsandbox.record import SCHEMA_VERSION, GpuRecord, HotplugRecord, SandboxRecord
+from vmsandbox.gpurecord import GpuRecord
+from vmsandbox.record import SCHEMA_VERSION, HotplugRecord, SandboxRecord
 
 # A record as vmsandbox wrote it before the schema had a version (state inside, no "version").
 VERSION_1 = {

@@ -30,11 +30,12 @@ from vmsandbox import cli
 from vmsandbox import domain as domain_xml
 from vmsandbox.config import Config
 from vmsandbox.errors import ALL_CODES, InvalidArgument, NotFound
-from vmsandbox.images import recipe_names
+from vmsandbox.image_recipe import recipe_names
 from vmsandbox.manager import Sandbox, SandboxManager
 from vmsandbox.record import LIBVIRT_QEMU_LOG_DIR, SandboxFiles
 from vmsandbox.sizes import parse_size_mib
-from vmsandbox.spec import SandboxSpec, generate_name, validate_image_name, validate_name
+from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.validate import validate_image_name, validate_name
 
 FUZZ = settings(max_examples=300, deadline=None)
 SLOW_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from vmsandbox.errors import InvalidArgument
 from vmsandbox.gpuquery import (
+    GpuRequest,
     MiB,
     bytes_to_mib,
     memory_satisfies,
@@ -17,7 +18,7 @@ from vmsandbox.gpuquery import (
     normalise_device_id,
     parse_memory_quantity,
 )
-from vmsandbox.spec import GpuRequest, SandboxSpec
+from vmsandbox.spec import SandboxSpec
 
 UUID = "GPU-0a1b2c3d-4e5f-6789-abcd-ef0123456789"
 FAST = settings(max_examples=250, deadline=None)

@@ -14,9 +14,8 @@ import pytest
 
 from vmsandbox import verify
 from vmsandbox.errors import GuestVerificationFailed, Unavailable
-from vmsandbox.fabric import nvlink
 from vmsandbox.guest import ExecResult
-from vmsandbox.verify import ExpectedGpu
+from vmsandbox.verify import ExpectedGpu, nvlink
 
 FIXTURES = Path(__file__).parent / "fixtures" / "guest"
 SMOKE = Path(verify.__file__).parent.parent / "guest_tools" / "cuda_smoke.py"

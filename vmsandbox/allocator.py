@@ -16,9 +16,9 @@ Errors, most permanent first (a request with several problems gets the first tha
 ``details`` carries the data behind each message: ``valid_ids``, ``held_by`` (BDF -> domain),
 ``not_bindable`` (BDF -> reasons), ``filtered_out`` (BDF -> failed filters) and the counts.
 
-``allocate`` is the entry point the manager uses: ``select`` on a host without NVSwitches, and
-on an NVSwitch board the fabric policy (``vmsandbox.fabric.policy.choose``), which takes whole
-Fabric Manager partitions in shared NVSwitch mode and allows only the shapes that work in full
+The entry point the manager uses is ``vmsandbox.fabric.policy.allocate``: ``select`` on a host
+without NVSwitches, and on an NVSwitch board the fabric policy, which takes whole Fabric
+Manager partitions in shared NVSwitch mode and allows only the shapes that work in full
 passthrough. Its errors keep the same order; the policy's docstring lists them.
 """
 
@@ -30,14 +30,12 @@ from itertools import chain
 from typing import TYPE_CHECKING
 
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from vmsandbox.gpuquery import memory_satisfies, model_matches
+from vmsandbox.gpuquery import GpuRequest, memory_satisfies, model_matches
 from vmsandbox.host.discover import IOMMU_OFF
 from vmsandbox.host.model import FabricDevice, Gpu, Inventory
-from vmsandbox.spec import GpuRequest
 
 if TYPE_CHECKING:
     from vmsandbox.fabric.partitions import Partition
-    from vmsandbox.fabric.state import Fabric
 
 DEFAULT_MAX_GPUS = 16
 _LISTED = 3  # GPUs named one by one in a message before "and N more"
@@ -59,22 +57,6 @@ class Allocation:
     gpus: tuple[Gpu, ...]
     partition: Partition | None = None
     switches: tuple[FabricDevice, ...] = ()
-
-
-def allocate(
-    request: GpuRequest,
-    inventory: Inventory,
-    *,
-    max_gpus: int = DEFAULT_MAX_GPUS,
-    fabric: Fabric | None = None,
-) -> Allocation:
-    """The allocation for ``request``: ``select`` when ``fabric`` is None or the host has no
-    NVSwitch, else the fabric policy for the host's fabric model."""
-    if fabric is None or not inventory.fabric:
-        return Allocation(tuple(select(request, inventory, max_gpus=max_gpus)))
-    from vmsandbox.fabric.policy import choose  # the policy builds on this module
-
-    return choose(request, inventory, fabric, max_gpus)
 
 
 def select(

@@ -219,7 +219,7 @@ def _cmd_ssh(args: argparse.Namespace, _out: Output) -> int:
 def _cmd_destroy(args: argparse.Namespace, out: Output) -> int:
     """Destroy the names in order, stopping at the first failure; that failure's error says
     which were destroyed before it, which one failed and which were not tried."""
-    from vmsandbox.spec import validate_name
+    from vmsandbox.validate import validate_name
 
     for name in args.names:
         validate_name(name)

@@ -17,11 +17,16 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from vmsandbox import virt
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.pool import PoolShape, parse_table
+from vmsandbox.validate import positive_int, validate_image_name
 
 DEFAULT_CONFIG_FILE = "/etc/vmsandbox/config.toml"
+# The size of a sandbox whose request names none (``SandboxSpec``'s, and a ``[pool]`` entry's).
+DEFAULT_CPUS = 1
+DEFAULT_MEMORY_MIB = 1024
+DEFAULT_DISK_GIB = 4
+# The QEMU that virt type ``auto`` boots to see whether KVM runs guests (``probe_qemu``).
+QEMU = "/usr/bin/qemu-system-x86_64"
 GPU_FIRMWARE = ("auto", "uefi", "bios")
 
 _ENV = {
@@ -41,6 +46,7 @@ _ENV = {
     "probe_qemu": "VMSANDBOX_PROBE_QEMU",
     "gpu_firmware": "VMSANDBOX_GPU_FIRMWARE",
 }
+_POOL_KEYS = ("image", "cpus", "memory_mib", "disk_gib", "count", "gpus")
 _PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config")
 
 
@@ -53,7 +59,7 @@ class Config:
     image_dir: Path | None = None  # default: <state_dir>/images
     virt_type: str = "auto"  # "auto" | "kvm" | "qemu"
     # The QEMU that ``auto`` boots to see whether KVM runs guests (vmsandbox/virt.py).
-    probe_qemu: str = virt.QEMU
+    probe_qemu: str = QEMU
     # "user": QEMU user-mode network, guest port 22 forwarded to 127.0.0.1:<free port>.
     # Any other value names a libvirt network; the guest address comes from its DHCP lease.
     network: str = "user"
@@ -153,7 +159,7 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
         default = getattr(base, key)
         try:
             if key == "pool":
-                changes[key] = parse_table(raw)
+                changes[key] = parse_pool(raw)
                 continue
             if isinstance(default, tuple):
                 value = _uids(raw)
@@ -202,3 +208,96 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
             details={"field": "fm_hostname", "value": config.fm_hostname},
         )
     return config
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """One ``[pool]`` entry: ``count`` guests of this image and size kept ready, booted with
+    ``gpus`` spare GPU ports (vmsandbox/pool.py says how entries name them and how a create
+    claims a guest of a shape)."""
+
+    key: str
+    image: str
+    cpus: int
+    memory_mib: int
+    disk_gib: int
+    count: int
+    gpus: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "image": self.image,
+            "cpus": self.cpus,
+            "memory_mib": self.memory_mib,
+            "disk_gib": self.disk_gib,
+            "count": self.count,
+            "gpus": self.gpus,
+        }
+
+
+def parse_pool(table: object) -> tuple[PoolShape, ...]:
+    """The ``[pool]`` table as shapes; INVALID_ARGUMENT naming the entry's field otherwise."""
+    if not isinstance(table, dict):
+        raise InvalidArgument(
+            f"config pool must be a table of shapes, got {table!r}",
+            details={"field": "pool", "value": repr(table)},
+        )
+    shapes = [_shape(str(key), value) for key, value in table.items()]
+    seen: dict[tuple[str, int, int, int], str] = {}
+    for shape in shapes:
+        size = (shape.image, shape.cpus, shape.memory_mib, shape.disk_gib)
+        if size in seen:
+            raise InvalidArgument(
+                f"config pool.{shape.key} has the same shape as pool.{seen[size]}; "
+                "give each shape one entry",
+                details={"field": f"pool.{shape.key}", "value": repr(size)},
+            )
+        seen[size] = shape.key
+    return tuple(shapes)
+
+
+def _shape(key: str, value: object) -> PoolShape:
+    field = f"pool.{key}"
+    entry: dict[str, Any]
+    if isinstance(value, int) and not isinstance(value, bool):
+        entry = {"image": key, "count": value}
+    elif isinstance(value, dict):
+        unknown = sorted(set(value) - set(_POOL_KEYS))
+        if unknown:
+            raise InvalidArgument(
+                f"config {field} has unknown keys {', '.join(unknown)}; "
+                f"known: {', '.join(_POOL_KEYS)}",
+                details={"field": f"{field}.{unknown[0]}", "value": repr(value[unknown[0]])},
+            )
+        entry = {"image": key, **value}
+    else:
+        raise InvalidArgument(
+            f"config {field} must be a count (a whole number) or a table of "
+            f"{', '.join(_POOL_KEYS)}, got {value!r}",
+            details={"field": field, "value": repr(value)},
+        )
+    count = _whole(entry.get("count", 1), f"{field}.count", "guests")
+    gpus = _whole(entry.get("gpus", 0), f"{field}.gpus", "spare GPU ports")
+    try:  # the checks, in the order, of a SandboxSpec of this size
+        image = validate_image_name(entry["image"])
+        cpus = positive_int(entry.get("cpus", DEFAULT_CPUS), "cpus")
+        memory_mib = positive_int(entry.get("memory_mib", DEFAULT_MEMORY_MIB), "memory_mib")
+        disk_gib = positive_int(entry.get("disk_gib", DEFAULT_DISK_GIB), "disk_gib")
+    except InvalidArgument as exc:
+        inner = exc.details.get("field", "")
+        raise InvalidArgument(
+            f"config {field}: {exc.message}",
+            details={**exc.details, "field": f"{field}.{inner}" if inner else field},
+        ) from exc
+    return PoolShape(key, image, cpus, memory_mib, disk_gib, count, gpus)
+
+
+def _whole(value: object, field: str, what: str) -> int:
+    """``value`` as a count of ``what``, 0 or more; INVALID_ARGUMENT naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(
+            f"config {field} must be a whole number of {what}, 0 or more, got {value!r}",
+            details={"field": field, "value": repr(value)},
+        )
+    return value

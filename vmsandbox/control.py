@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition
-from vmsandbox.spec import validate_name
+from vmsandbox.validate import validate_name
 
 TIMEOUT_S = 5.0
 ANSWER_MAX = 512  # bytes of one answer line

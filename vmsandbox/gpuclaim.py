@@ -19,9 +19,10 @@ from dataclasses import replace
 
 from vmsandbox import hotplug, lifecycle
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition
+from vmsandbox.gpurecord import GpuRecord
 from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.pool import NoPooledGuest
-from vmsandbox.record import GpuRecord, HotplugRecord, SandboxRecord
+from vmsandbox.record import HotplugRecord, SandboxRecord
 
 # How long a guest may take to see attached GPUs: seen after 3-5 s on the nested host (L2
 # under KVM in a TCG L1), under load up to a few times that.

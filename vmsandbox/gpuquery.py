@@ -1,4 +1,5 @@
-"""The vocabulary of a GPU request: device ids, counts, vendors, models and memory sizes.
+"""A GPU request (``GpuRequest``) and its vocabulary: device ids, counts, vendors, models and
+memory sizes.
 
 Each rule lives here once, so the Python API (``GpuRequest``), the CLI flags and every platform
 adapter in ``vmsandbox.compat`` accept and reject exactly the same spellings, and the allocator
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from fractions import Fraction
 
 from vmsandbox.errors import InvalidArgument
@@ -252,3 +254,66 @@ def memory_satisfies(required_mib: int, device_mib: int) -> bool:
     neither "80GB" nor "48GiB".
     """
     return device_mib * 100 >= required_mib * (100 - MEMORY_TOLERANCE_PERCENT)
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """Which GPUs a sandbox wants. No count, devices or ``all`` means one GPU.
+
+    Validated and normalised on construction by the rules above:
+    ``devices`` holds canonical BDFs (``0000:41:00.0``), NVIDIA or ROCm UUIDs (``GPU-...``), DRM
+    card names (``card1``) or inventory indexes (as strings), in the order given; all but BDFs
+    are resolved against the inventory at allocation time. ``count`` with ``devices`` must equal
+    their number; ``all`` excludes both. ``vendor``, ``model`` (whole-word match) and
+    ``min_memory_mib`` filter.
+    """
+
+    count: int | None = None
+    devices: tuple[str, ...] = ()
+    all: bool = False
+    vendor: str | None = None
+    model: str | None = None
+    min_memory_mib: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.count is not None:
+            require_count(self.count, "count")
+        if not isinstance(self.devices, tuple | list):
+            raise invalid(
+                "devices",
+                self.devices,
+                f"devices must be a list of device ids, got {shown(self.devices)}",
+            )
+        object.__setattr__(self, "devices", normalise_device_ids(self.devices, "devices"))
+        if not isinstance(self.all, bool):
+            raise invalid("all", self.all, f"all must be true or false, got {shown(self.all)}")
+        if self.vendor is not None:
+            object.__setattr__(self, "vendor", normalise_vendor(self.vendor, "vendor"))
+        if self.model is not None:
+            object.__setattr__(self, "model", normalise_model(self.model, "model"))
+        if self.min_memory_mib is not None and (
+            isinstance(self.min_memory_mib, bool)
+            or not isinstance(self.min_memory_mib, int)
+            or self.min_memory_mib < 1
+        ):
+            raise invalid(
+                "min_memory_mib",
+                self.min_memory_mib,
+                f"min_memory_mib must be a whole number of MiB greater than 0, "
+                f"got {shown(self.min_memory_mib)}",
+            )
+        if self.all and (self.count is not None or self.devices):
+            taken = "count" if self.count is not None else "devices"
+            raise invalid(
+                taken,
+                getattr(self, taken),
+                f"all=True takes every free GPU, so {taken} cannot be given with it: "
+                f"drop {taken} or all",
+            )
+        check_count_matches_devices(self.count, self.devices, "count", "devices")
+
+    def wanted(self) -> int | None:
+        """How many GPUs this asks for; None means every free one (``all``)."""
+        if self.all:
+            return None
+        return self.count or len(self.devices) or 1

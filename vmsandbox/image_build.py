@@ -1,7 +1,8 @@
 """A recipe's base image: mmdebstrap a root tree, take its kernel, make ext4, convert to qcow2.
 
 The image store (images.py) decides when to build and publishes the folder this fills; this module
-only knows how a recipe becomes the files of one build.
+only knows how a recipe (image_recipe.py) becomes the files of one build. Bump image_recipe.py's
+``BUILDER_VERSION`` when these steps change what a recipe produces.
 """
 
 from __future__ import annotations
@@ -11,19 +12,15 @@ import os
 import shlex
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vmsandbox.apt_sources import mirror_lines
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.fabric.version import image_driver_version
+from vmsandbox.image_recipe import Recipe
 from vmsandbox.progress import Progress
 from vmsandbox.tools import run_streaming, run_tool
 
-if TYPE_CHECKING:
-    from vmsandbox.images import Recipe
-
-# Bump when the build steps below change what a recipe produces (it is part of the recipe hash).
-BUILDER_VERSION = "1"
 KERNEL_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 biosdevname=0"
 # Given to guests that boot with passed devices: the lean initramfs (images/minimal/lean.sh)
 # then leaves the NIC's driver to udev instead of loading it before systemd. With the NIC's

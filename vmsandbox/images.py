@@ -15,7 +15,7 @@ forced rebuild of an unchanged recipe goes to ``<id>-2`` (``-3``, ...) and moves
 Building a recipe whose build is still on disk but no longer current points ``current`` back at
 it rather than building again.
 
-How a recipe becomes the files of one build is image_build.py.
+What a recipe is: image_recipe.py; how it becomes the files of one build: image_build.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import time
-import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,15 +40,13 @@ from vmsandbox.errors import (
     NotFound,
     ResourceExhausted,
 )
-from vmsandbox.image_build import BUILDER_VERSION, KERNEL_CMDLINE, build_recipe, require_tools
+from vmsandbox.image_build import KERNEL_CMDLINE, build_recipe, require_tools
 from vmsandbox.image_check import check_import
+from vmsandbox.image_recipe import load_recipe, recipe_names
 from vmsandbox.progress import Progress, silent
-from vmsandbox.resources import RECIPES
-from vmsandbox.spec import validate_image_name
 from vmsandbox.tools import run_tool, write_with_tool
+from vmsandbox.validate import validate_image_name
 
-RECIPE_DIR = RECIPES
-GUEST_TOOLS = Path(__file__).resolve().parent / "guest_tools"
 # Which sandboxes use which build folder, read when asked (image_users.image_users).
 Users = Callable[[], Mapping[Path, Sequence[str]]]
 
@@ -96,50 +93,6 @@ class BaseImage:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "id": self.id, "path": str(self.path), **self.meta}
-
-
-@dataclass(frozen=True)
-class Recipe:
-    name: str
-    path: Path
-    data: dict[str, Any]
-    scripts: tuple[Path, ...]
-    # Programs of vmsandbox.guest_tools installed as /usr/lib/vmsandbox/<name> (recipe key
-    # ``guest_tools``), before the scripts run; part of the hash like the scripts.
-    tools: tuple[Path, ...] = ()
-
-    @property
-    def hash(self) -> str:
-        digest = hashlib.sha256(f"vmsandbox-image-builder {BUILDER_VERSION}\n".encode())
-        for part in (self.path / "recipe.toml", *self.scripts, *self.tools):
-            digest.update(part.name.encode() + b"\0" + part.read_bytes() + b"\0")
-        return digest.hexdigest()
-
-
-def recipe_names(recipe_dir: Path = RECIPE_DIR) -> list[str]:
-    return sorted(p.parent.name for p in recipe_dir.glob("*/recipe.toml"))
-
-
-def load_recipe(name: str, recipe_dir: Path = RECIPE_DIR) -> Recipe:
-    validate_image_name(name)
-    path = recipe_dir / name
-    if not (path / "recipe.toml").is_file():
-        raise NotFound(
-            f"no image recipe {name!r}; recipes: {', '.join(recipe_names(recipe_dir)) or 'none'}"
-        )
-    data = tomllib.loads((path / "recipe.toml").read_text())
-    scripts = tuple((recipe_dir / script).resolve() for script in data.get("customize", []))
-    for script in scripts:
-        if recipe_dir.resolve() not in script.parents or not script.is_file():
-            raise FailedPrecondition(f"recipe {name!r} names a missing script {script}")
-    tools = tuple(GUEST_TOOLS / tool for tool in data.get("guest_tools", []))
-    for tool in tools:
-        if tool.parent != GUEST_TOOLS or not tool.is_file():
-            raise FailedPrecondition(
-                f"recipe {name!r} names a missing guest tool {tool.name!r} "
-                f"(one of vmsandbox/guest_tools/*.py)"
-            )
-    return Recipe(name=name, path=path, data=data, scripts=scripts, tools=tools)
 
 
 class ImageStore:

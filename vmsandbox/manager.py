@@ -37,8 +37,9 @@ from vmsandbox.record import (
     prepare_state_dirs,
 )
 from vmsandbox.sandbox import Sandbox
-from vmsandbox.spec import SandboxSpec, generate_name, validate_name
+from vmsandbox.spec import SandboxSpec, generate_name
 from vmsandbox.store import SandboxStore
+from vmsandbox.validate import validate_name
 from vmsandbox.warmpool import WarmPool
 
 if TYPE_CHECKING:
@@ -216,12 +217,11 @@ class SandboxManager:
         table is read now) or, in full passthrough, the NVSwitches."""
         if spec.gpu is None:
             return None  # importing the allocator loads pyudev: only GPU requests pay for it
-        from vmsandbox import allocator
-        from vmsandbox.fabric import state
+        from vmsandbox.fabric import policy, state
 
         inventory = self.gpus()
         fabric = state.read(self.config, inventory)
-        return allocator.allocate(spec.gpu, inventory, max_gpus=self.config.max_gpus, fabric=fabric)
+        return policy.allocate(spec.gpu, inventory, max_gpus=self.config.max_gpus, fabric=fabric)
 
     def gpus(self) -> Inventory:
         """The host's GPU inventory, with ``in_use_by`` read from all libvirt domains."""

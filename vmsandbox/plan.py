@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 from vmsandbox import domain as domain_xml
 from vmsandbox.errors import InvalidArgument, ResourceExhausted
+from vmsandbox.gpurecord import GpuRecord
 from vmsandbox.image_build import KERNEL_CMDLINE, LATE_NIC_ARG
 from vmsandbox.images import BaseImage
 from vmsandbox.process import ProcessIdentity
 from vmsandbox.record import (
     DOMAIN_PREFIX,
     STATE_CREATING,
-    GpuRecord,
     HotplugRecord,
     SandboxFiles,
     SandboxRecord,

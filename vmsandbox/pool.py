@@ -31,14 +31,13 @@ GPU (``all``), or one made on a host whose pooled guests have no spare ports, bo
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any
 
+from vmsandbox.config import PoolShape
 from vmsandbox.errors import InvalidArgument
 from vmsandbox.spec import SandboxSpec, generate_name
 
 POOL_PREFIX = "pool-"
-_SHAPE_KEYS = ("image", "cpus", "memory_mib", "disk_gib", "count", "gpus")
 
 
 class NoPooledGuest(Exception):
@@ -49,59 +48,38 @@ class PoolFull(Exception):
     """The fill step found the shape's pool full (counting guests still booting)."""
 
 
-@dataclass(frozen=True)
-class PoolShape:
-    """One ``[pool]`` entry: ``count`` guests of this image and size kept ready."""
+def shape_spec(shape: PoolShape) -> SandboxSpec:
+    """The spec a pooled guest of ``shape`` is created with."""
+    return SandboxSpec(
+        name=generate_name(POOL_PREFIX.rstrip("-")),
+        image=shape.image,
+        cpus=shape.cpus,
+        memory_mib=shape.memory_mib,
+        disk_gib=shape.disk_gib,
+    )
 
-    key: str
-    image: str
-    cpus: int
-    memory_mib: int
-    disk_gib: int
-    count: int
-    gpus: int = 0
 
-    def spec(self) -> SandboxSpec:
-        """The spec a pooled guest of this shape is created with."""
-        return SandboxSpec(
-            name=generate_name(POOL_PREFIX.rstrip("-")),
-            image=self.image,
-            cpus=self.cpus,
-            memory_mib=self.memory_mib,
-            disk_gib=self.disk_gib,
-        )
+def fits(shape: PoolShape, spec: SandboxSpec) -> bool:
+    """Whether a guest of ``shape`` can serve ``spec``: a GPU sandbox only when the shape is
+    GPU-ready for that many GPUs (``wanted_gpus``); never a spec with guest setup (the pooled
+    guest's first boot is over)."""
+    return (
+        wanted_gpus(spec) <= shape.gpus
+        and spec.guest is None
+        and spec.image == shape.image
+        and (spec.cpus, spec.memory_mib, spec.disk_gib)
+        == (shape.cpus, shape.memory_mib, shape.disk_gib)
+    )
 
-    def fits(self, spec: SandboxSpec) -> bool:
-        """Whether a guest of this shape can serve ``spec``: a GPU sandbox only when the shape
-        is GPU-ready for that many GPUs (``wanted_gpus``); never a spec with guest setup (the
-        pooled guest's first boot is over)."""
-        return (
-            wanted_gpus(spec) <= self.gpus
-            and spec.guest is None
-            and spec.image == self.image
-            and (spec.cpus, spec.memory_mib, spec.disk_gib)
-            == (self.cpus, self.memory_mib, self.disk_gib)
-        )
 
-    def holds(self, record: Any) -> bool:
-        """Whether pooled guest ``record`` (a SandboxRecord) is of this shape."""
-        return (record.image, record.cpus, record.memory_mib, record.disk_gib) == (
-            self.image,
-            self.cpus,
-            self.memory_mib,
-            self.disk_gib,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "image": self.image,
-            "cpus": self.cpus,
-            "memory_mib": self.memory_mib,
-            "disk_gib": self.disk_gib,
-            "count": self.count,
-            "gpus": self.gpus,
-        }
+def holds(shape: PoolShape, record: Any) -> bool:
+    """Whether pooled guest ``record`` (a SandboxRecord) is of ``shape``."""
+    return (record.image, record.cpus, record.memory_mib, record.disk_gib) == (
+        shape.image,
+        shape.cpus,
+        shape.memory_mib,
+        shape.disk_gib,
+    )
 
 
 def wanted_gpus(spec: SandboxSpec) -> int:
@@ -128,73 +106,3 @@ def check_not_pooled_name(name: str | None) -> None:
 def is_pool_guest(record: Any) -> bool:
     """A guest of the pool that no sandbox has claimed (being filled, or ready)."""
     return record.guest is None and record.name.startswith(POOL_PREFIX)
-
-
-def parse_table(table: object) -> tuple[PoolShape, ...]:
-    """The ``[pool]`` table as shapes; INVALID_ARGUMENT naming the entry's field otherwise."""
-    if not isinstance(table, dict):
-        raise InvalidArgument(
-            f"config pool must be a table of shapes, got {table!r}",
-            details={"field": "pool", "value": repr(table)},
-        )
-    shapes = [_shape(str(key), value) for key, value in table.items()]
-    seen: dict[tuple[str, int, int, int], str] = {}
-    for shape in shapes:
-        size = (shape.image, shape.cpus, shape.memory_mib, shape.disk_gib)
-        if size in seen:
-            raise InvalidArgument(
-                f"config pool.{shape.key} has the same shape as pool.{seen[size]}; "
-                "give each shape one entry",
-                details={"field": f"pool.{shape.key}", "value": repr(size)},
-            )
-        seen[size] = shape.key
-    return tuple(shapes)
-
-
-def _shape(key: str, value: object) -> PoolShape:
-    field = f"pool.{key}"
-    defaults = SandboxSpec()
-    entry: dict[str, Any]
-    if isinstance(value, int) and not isinstance(value, bool):
-        entry = {"image": key, "count": value}
-    elif isinstance(value, dict):
-        unknown = sorted(set(value) - set(_SHAPE_KEYS))
-        if unknown:
-            raise InvalidArgument(
-                f"config {field} has unknown keys {', '.join(unknown)}; "
-                f"known: {', '.join(_SHAPE_KEYS)}",
-                details={"field": f"{field}.{unknown[0]}", "value": repr(value[unknown[0]])},
-            )
-        entry = {"image": key, **value}
-    else:
-        raise InvalidArgument(
-            f"config {field} must be a count (a whole number) or a table of "
-            f"{', '.join(_SHAPE_KEYS)}, got {value!r}",
-            details={"field": field, "value": repr(value)},
-        )
-    count = _whole(entry.get("count", 1), f"{field}.count", "guests")
-    gpus = _whole(entry.get("gpus", 0), f"{field}.gpus", "spare GPU ports")
-    try:
-        spec = SandboxSpec(
-            image=entry["image"],
-            cpus=entry.get("cpus", defaults.cpus),
-            memory_mib=entry.get("memory_mib", defaults.memory_mib),
-            disk_gib=entry.get("disk_gib", defaults.disk_gib),
-        )
-    except InvalidArgument as exc:
-        inner = exc.details.get("field", "")
-        raise InvalidArgument(
-            f"config {field}: {exc.message}",
-            details={**exc.details, "field": f"{field}.{inner}" if inner else field},
-        ) from exc
-    return PoolShape(key, spec.image, spec.cpus, spec.memory_mib, spec.disk_gib, count, gpus)
-
-
-def _whole(value: object, field: str, what: str) -> int:
-    """``value`` as a count of ``what``, 0 or more; INVALID_ARGUMENT naming ``field``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgument(
-            f"config {field} must be a whole number of {what}, 0 or more, got {value!r}",
-            details={"field": field, "value": repr(value)},
-        )
-    return value

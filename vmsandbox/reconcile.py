@@ -25,7 +25,7 @@ from vmsandbox.errors import InvalidArgument, VmSandboxError
 from vmsandbox.fabric.lease import FabricLease
 from vmsandbox.hypervisor import Hypervisor
 from vmsandbox.record import DOMAIN_PREFIX, STATE_CREATING, SandboxFiles, SandboxRecord
-from vmsandbox.spec import validate_name
+from vmsandbox.validate import validate_name
 
 
 @dataclass

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from vmsandbox.domain import DOMAIN_PREFIX
 from vmsandbox.errors import FailedPrecondition, InvalidArgument
+from vmsandbox.gpurecord import GpuRecord
 from vmsandbox.keys import SandboxKeys
 from vmsandbox.process import ProcessIdentity
+from vmsandbox.validate import validate_name
 
 if TYPE_CHECKING:
     from vmsandbox.config import Config
-    from vmsandbox.host.model import Gpu
 
 # 3: ``failure`` and ``starter`` (stop/start and readiness of the OpenShell driver).
 # 4: ``guest``, the pooled guest a sandbox was claimed from (state ``pooled``, pool.py).
@@ -41,55 +42,6 @@ STATE_FAILED = "failed"  # started, but the guest did not come up; ``failure`` s
 
 # libvirt writes each QEMU domain's own log here (qemu:///system); destroy removes it too.
 LIBVIRT_QEMU_LOG_DIR = Path("/var/log/libvirt/qemu")
-
-
-@dataclass(frozen=True)
-class GpuRecord:
-    """What a sandbox remembers of each of its GPUs (enough to verify them in the guest)."""
-
-    bdf: str
-    vendor: str
-    vendor_id: str
-    device_id: str
-    name: str | None = None
-    memory_mib: int | None = None
-    numa_node: int | None = None
-    companions: tuple[str, ...] = ()
-    companion_ids: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def of(cls, gpu: Gpu) -> GpuRecord:
-        return cls(
-            bdf=gpu.bdf,
-            vendor=gpu.vendor,
-            vendor_id=gpu.vendor_id,
-            device_id=gpu.device_id,
-            name=gpu.name,
-            memory_mib=gpu.memory_mib,
-            numa_node=gpu.numa_node,
-            companions=tuple(gpu.companions),
-            companion_ids=tuple((str(a), str(b)) for a, b in gpu.companion_ids),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["companions"] = list(self.companions)
-        data["companion_ids"] = [list(pair) for pair in self.companion_ids]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GpuRecord:
-        return cls(
-            bdf=str(data["bdf"]),
-            vendor=str(data.get("vendor", "")),
-            vendor_id=str(data["vendor_id"]),
-            device_id=str(data["device_id"]),
-            name=data.get("name"),
-            memory_mib=data.get("memory_mib"),
-            numa_node=data.get("numa_node"),
-            companions=tuple(str(bdf) for bdf in data.get("companions", ())),
-            companion_ids=tuple((str(a), str(b)) for a, b in data.get("companion_ids", ())),
-        )
 
 
 @dataclass(frozen=True)
@@ -332,8 +284,6 @@ def names_domain(data: dict[str, Any], domain: str) -> bool:
     """A stored record is ours only if it names, with valid names, the domain it is stored in
     (by its pooled guest's name when it has one, else by its own): those names become file
     paths, so a name that is not a sandbox name must never reach them."""
-    from vmsandbox.spec import validate_name
-
     name, guest = data.get("name"), data.get("guest")
     try:
         validate_name(name)

@@ -23,7 +23,7 @@ from vmsandbox.record import (
     names_domain,
 )
 from vmsandbox.sandbox import Sandbox
-from vmsandbox.spec import validate_name
+from vmsandbox.validate import validate_name
 
 
 class SandboxStore:

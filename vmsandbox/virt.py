@@ -33,15 +33,11 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from vmsandbox.config import QEMU, Config
 from vmsandbox.errors import FailedPrecondition, InvalidArgument
 from vmsandbox.lock import host_lock
 
-if TYPE_CHECKING:
-    from vmsandbox.config import Config
-
-QEMU = "/usr/bin/qemu-system-x86_64"
 PROBE_SECONDS = 6  # a working KVM prints the kernel banner well within this
 KILL_AFTER = 2  # SIGTERM first (QEMU exits cleanly), SIGKILL this much later
 # No process of a probe outlives this, counted from its start, whatever happens to its caller.

@@ -22,28 +22,28 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vmsandbox import control, gpuclaim, guest, hotplug, lifecycle, virt
+from vmsandbox.config import PoolShape
 from vmsandbox.errors import FailedPrecondition, NotFound
+from vmsandbox.gpurecord import GpuRecord
 from vmsandbox.guest import Endpoint
-from vmsandbox.pool import NoPooledGuest, PoolFull, PoolShape, is_pool_guest
+from vmsandbox.pool import NoPooledGuest, PoolFull, fits, holds, is_pool_guest, shape_spec
 from vmsandbox.process import ProcessIdentity
-from vmsandbox.record import (
-    STATE_CREATING,
-    STATE_POOLED,
-    GpuRecord,
-    SandboxFiles,
-    SandboxRecord,
-)
+from vmsandbox.record import STATE_CREATING, STATE_POOLED, SandboxFiles, SandboxRecord
 
 if TYPE_CHECKING:
-    from vmsandbox.images import BaseImage
+    from vmsandbox.allocator import Allocation
+    from vmsandbox.config import Config
+    from vmsandbox.host.model import Inventory
+    from vmsandbox.hypervisor import Hypervisor
+    from vmsandbox.images import BaseImage, ImageStore
     from vmsandbox.keys import SandboxKeys
-    from vmsandbox.manager import SandboxManager
     from vmsandbox.progress import Progress
     from vmsandbox.sandbox import Sandbox
     from vmsandbox.spec import SandboxSpec
+    from vmsandbox.store import SandboxStore
 
 
 # -- the steps ----------------------------------------------------------------------------------
@@ -201,10 +201,33 @@ GPU_CLAIM_STEPS: tuple[lifecycle.Step, ...] = (
 # -- the pool of one manager ----------------------------------------------------------------------
 
 
+class PoolOwner(Protocol):
+    """What the warm pool uses of the manager that owns it (``SandboxManager`` is one): its
+    configuration, libvirt, records and images, its host lock and crash checkpoint, and the
+    allocation, inventory, destroy and reconcile of a cold create."""
+
+    config: Config
+    hypervisor: Hypervisor
+    store: SandboxStore
+    images: ImageStore
+    progress: Progress
+    checkpoint: Callable[[str], None]
+
+    def locked(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def allocate(self, spec: SandboxSpec) -> Allocation | None: ...
+
+    def gpus(self) -> Inventory: ...
+
+    def destroy(self, name: str) -> None: ...
+
+    def reconcile(self) -> dict[str, list[str]]: ...
+
+
 class WarmPool:
     """The ``[pool]`` shapes of a manager's configuration and their guests in its libvirt."""
 
-    def __init__(self, manager: SandboxManager) -> None:
+    def __init__(self, manager: PoolOwner) -> None:
         self.manager = manager
         self.config = manager.config
         # How a claim runs commands in its guest (the unit tests hand in a fake guest).
@@ -248,7 +271,7 @@ class WarmPool:
         no shape or none of its guests is ready with enough spare ports, and for a GPU spec
         that asks to ``keep`` a sandbox whose verification failed (a claim takes a failed
         guest apart): the caller boots cold."""
-        shape = next((shape for shape in self.config.pool if shape.fits(spec)), None)
+        shape = next((shape for shape in self.config.pool if fits(shape, spec)), None)
         if shape is None or (keep and spec.gpu is not None):
             return None
         m = self.manager
@@ -278,7 +301,7 @@ class WarmPool:
                 ports = len(record.hotplug.buses) if record.hotplug else 0
                 if (
                     state == STATE_POOLED
-                    and shape.holds(record)
+                    and holds(shape, record)
                     and record.image_id == image.id
                     and record.virt_type == creation.virt_type
                     and ports >= len(creation.gpus)
@@ -312,7 +335,7 @@ class WarmPool:
         guests = self.guests()
         shown = []
         for shape in self.config.pool:
-            mine = [(r, s) for r, s in guests if shape.holds(r)]
+            mine = [(r, s) for r, s in guests if holds(shape, r)]
             shown.append(
                 {
                     **shape.to_dict(),
@@ -347,18 +370,18 @@ class WarmPool:
         image = m.images.get(shape.image)
         made = []
         for record, state in self.guests():
-            if state == STATE_POOLED and shape.holds(record) and record.image_id != image.id:
+            if state == STATE_POOLED and holds(shape, record) and record.image_id != image.id:
                 say(f"removing pooled guest {record.name}: image {record.image_id} was rebuilt")
                 with contextlib.suppress(NotFound):  # claimed or removed meanwhile
                     m.destroy(record.name)
 
         def room() -> bool:
-            held = [r for r, _s in self.guests() if shape.holds(r) and r.image_id == image.id]
+            held = [r for r, _s in self.guests() if holds(shape, r) and r.image_id == image.id]
             return len(held) < shape.count
 
         ports: hotplug.HotplugPlan | None = None
         while True:
-            spec = shape.spec()
+            spec = shape_spec(shape)
             assert spec.name is not None
             creation = self.creation(spec, spec.name, image, say)
             creation.room = room

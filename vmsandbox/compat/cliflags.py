@@ -27,6 +27,7 @@ import re
 from collections.abc import Sequence
 
 from vmsandbox.gpuquery import (
+    GpuRequest,
     bytes_to_mib,
     check_count_matches_devices,
     invalid,
@@ -37,7 +38,6 @@ from vmsandbox.gpuquery import (
     require_count,
     shown,
 )
-from vmsandbox.spec import GpuRequest
 
 _U32_RE = re.compile(r"\+?0*([0-9]{1,10})", re.A)  # what Rust's u32::from_str reads
 _U32_MAX = 2**32 - 1

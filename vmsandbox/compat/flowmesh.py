@@ -40,8 +40,14 @@ import re
 from collections.abc import Mapping
 
 from vmsandbox.compat._wire import optional_mapping, optional_str, reject_unknown_keys
-from vmsandbox.gpuquery import bytes_to_mib, invalid, normalise_model, require_count, shown
-from vmsandbox.spec import GpuRequest
+from vmsandbox.gpuquery import (
+    GpuRequest,
+    bytes_to_mib,
+    invalid,
+    normalise_model,
+    require_count,
+    shown,
+)
 
 _FIELD = "resources.hardware.gpu"
 _KNOWN = frozenset({"count", "type", "memory"})

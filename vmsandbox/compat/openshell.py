@@ -49,8 +49,7 @@ from vmsandbox.compat._wire import (
     optional_str,
     reject_unknown_keys,
 )
-from vmsandbox.gpuquery import invalid, normalise_device_id, normalise_device_ids, shown
-from vmsandbox.spec import GpuRequest
+from vmsandbox.gpuquery import GpuRequest, invalid, normalise_device_id, normalise_device_ids, shown
 
 _GPU = "resource_requirements.gpu"
 _VM = "template.driver_config.vm"

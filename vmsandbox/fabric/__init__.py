@@ -8,7 +8,6 @@ One module per concept:
 - ``state``: the host's fabric as configured (model, FM's table, who holds active partitions);
 - ``policy``: the pure choice of a partition, or the full-passthrough shapes, for a request;
 - ``version``: the rule that the guest's NVIDIA driver matches the host's Fabric Manager;
-- ``nvlink``: in-guest NVLink checks (``nvidia-smi nvlink --status``, ``topo -m``, CUDA 802);
 - ``render``: the fabric part of ``vmsandbox gpus``;
 - ``lease``: activation and release of a sandbox's partition, with a ledger that survives crashes.
 """

@@ -1,8 +1,8 @@
 """Which GPUs (and NVSwitches, and which partition) a request gets on an NVSwitch host.
 
-A pure function of the request, the inventory and the fabric's state; ``allocator.allocate``
-calls it when the host has NVSwitches. Errors, most permanent first, as in
-``allocator.select``:
+A pure function of the request, the inventory and the fabric's state. ``allocate`` is the
+entry point of every allocation: ``allocator.select`` on a host without NVSwitches, ``choose``
+on one with them. Errors, most permanent first, as in ``allocator.select``:
 
 Shared NVSwitch mode (``FABRIC_MODE=1``), GPUs come in whole FM partitions:
 
@@ -35,13 +35,33 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from vmsandbox.allocator import Allocation, request_misses, resolve_devices, select
+from vmsandbox.allocator import (
+    DEFAULT_MAX_GPUS,
+    Allocation,
+    request_misses,
+    resolve_devices,
+    select,
+)
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from vmsandbox.fabric.mode import FULL_PASSTHROUGH, SHARED, VGPU
 from vmsandbox.fabric.partitions import Partition, PartitionTable
 from vmsandbox.fabric.state import Fabric
+from vmsandbox.gpuquery import GpuRequest
 from vmsandbox.host.model import Gpu, Inventory
-from vmsandbox.spec import GpuRequest
+
+
+def allocate(
+    request: GpuRequest,
+    inventory: Inventory,
+    *,
+    max_gpus: int = DEFAULT_MAX_GPUS,
+    fabric: Fabric | None = None,
+) -> Allocation:
+    """The allocation for ``request``: ``select`` when ``fabric`` is None or the host has no
+    NVSwitch, else the fabric policy for the host's fabric model."""
+    if fabric is None or not inventory.fabric:
+        return Allocation(tuple(select(request, inventory, max_gpus=max_gpus)))
+    return choose(request, inventory, fabric, max_gpus)
 
 
 def choose(request: GpuRequest, inventory: Inventory, fabric: Fabric, max_gpus: int) -> Allocation:

@@ -37,7 +37,8 @@ from vmsandbox.guestsetup import GuestFile, GuestSetup, check_environment
 from vmsandbox.openshell import quantity
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.supervisor import Supervisor
-from vmsandbox.spec import SandboxSpec, validate_name
+from vmsandbox.spec import SandboxSpec
+from vmsandbox.validate import validate_name
 
 DEFAULT_IMAGE = "minimal"
 ID_LABEL = "openshell.sandbox-id"

@@ -12,7 +12,7 @@ Five checks (``vmsandbox.verify.checks``), each a constant shell command run ove
 - ``fabric`` (only ``verify(..., fabric=True)``: GPUs that talk over NVLink through NVSwitches,
   a multi-GPU Fabric Manager partition or a whole board): CUDA starts (error 802 is reported as
   "fabric not initialised" with the fix), the NVLinks are up, every GPU pair is on NVLink
-  (``vmsandbox.fabric.nvlink``).
+  (``vmsandbox.verify.nvlink``).
 
 The NVIDIA checks run when NVIDIA GPUs were passed; an image without the NVIDIA driver skips
 them and fails verification (passing NVIDIA GPUs to it is almost always a mistake; ``--no-verify``

@@ -254,9 +254,9 @@ def check_kernel_log(
 
 def check_fabric(run: Runner, gpus: int) -> Findings:
     """The NVLink fabric of a guest whose ``gpus`` GPUs talk through NVSwitches
-    (``vmsandbox.fabric.nvlink``): CUDA starts (802 is "fabric not initialised", with the fix),
-    every GPU's links are up and every GPU pair is connected over NVLink."""
-    from vmsandbox.fabric import nvlink
+    (``nvlink``): CUDA starts (802 is "fabric not initialised", with the fix), every GPU's
+    links are up and every GPU pair is connected over NVLink."""
+    from . import nvlink
 
     findings = nvlink.check(run, gpus)
     failed = [finding for finding in findings if not finding.ok]

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from vmsandbox.errors import GuestVerificationFailed
+from vmsandbox.gpurecord import GpuRecord
 from vmsandbox.host.pci_ids import NVIDIA_VENDOR_ID, pci_id
-from vmsandbox.record import GpuRecord
 from vmsandbox.tables import render_grid
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
