@@ -61,7 +61,7 @@ class Worker:
 
     def __init__(self, state: Path, log: IO[str], hold_s: float, gpus: int) -> None:
         from vmsandbox.config import Config
-        from vmsandbox.manager import SandboxManager
+        from vmsandbox.sandbox.manager import SandboxManager
 
         config = Config.load(path="/nonexistent", state_dir=state, image_dir=common.IMAGES)
         self.manager = SandboxManager(config, reconcile=False)
@@ -72,7 +72,7 @@ class Worker:
         self.made = 0
 
     def _domain_xml(self, name: str, bdfs: list[str]) -> str:
-        from vmsandbox import domain
+        from vmsandbox.vm import domain
 
         state = self.manager.config.state_dir
         return domain.build_domain_xml(
@@ -96,9 +96,9 @@ class Worker:
 
         Returns the domain, its BDFs, the hold's start and the number of retries.
         """
-        from vmsandbox import allocator
         from vmsandbox.errors import ResourceExhausted
-        from vmsandbox.gpuquery import GpuRequest
+        from vmsandbox.gpu import allocator
+        from vmsandbox.gpu.request import GpuRequest
         from vmsandbox.lock import host_lock
 
         name = common.name("alloc", str(self.made))  # bench-alloc-<this pid>-<n>

@@ -254,16 +254,18 @@ class HandMade:
 
 def hand_made(folder: Path, name: str, *, cpus: int = 1, memory_mib: int = 1024) -> HandMade:
     """Overlay, keys and seed as vmsandbox makes them, and the domain vmsandbox's planner
-    (``vmsandbox.plan``) makes for them, under a name of ours (no ``vmsbx-``: not a sandbox)."""
+    (``vmsandbox.sandbox.plan``) makes for them, under a name of ours (no ``vmsbx-``: not a
+    sandbox)."""
     from dataclasses import replace
 
-    from vmsandbox import domain, plan
     from vmsandbox.config import Config
-    from vmsandbox.images import ImageStore, make_overlay
-    from vmsandbox.keys import SandboxKeys
-    from vmsandbox.record import SandboxFiles
-    from vmsandbox.seed import network_config, write_seed
-    from vmsandbox.spec import SandboxSpec
+    from vmsandbox.guest.keys import SandboxKeys
+    from vmsandbox.guest.seed import network_config, write_seed
+    from vmsandbox.image.store import ImageStore, make_overlay
+    from vmsandbox.sandbox import plan
+    from vmsandbox.sandbox.record import SandboxFiles
+    from vmsandbox.sandbox.spec import SandboxSpec
+    from vmsandbox.vm import domain
 
     _check_ours(name)
     config = Config(image_dir=IMAGES, virt_type="qemu")

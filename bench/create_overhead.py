@@ -40,7 +40,7 @@ CPUS, MEMORY_MIB = 1, 1024
 
 def baseline_script(folder: Path, name: str, port: int) -> str:
     """The shell script of side B: overlay, key, seed, virt-install."""
-    from vmsandbox.images import ImageStore
+    from vmsandbox.image.store import ImageStore
 
     image = ImageStore(common.IMAGES).get(common.IMAGE)
     q = shlex.quote

@@ -4,8 +4,9 @@ A: ``vmsandbox create NAME`` as a whole process; it returns once SSH accepts the
 with the pinned host key.
 
 B: the same guest started by hand. Untimed first: an overlay, keys and NoCloud seed made with
-vmsandbox's own pieces (qemu-img, ``vmsandbox.keys``, ``vmsandbox.seed``) and the domain XML
-``vmsandbox.domain.build_domain_xml`` writes for them, under a new name, UUID and SSH port.
+vmsandbox's own pieces (qemu-img, ``vmsandbox.guest.keys``, ``vmsandbox.guest.seed``) and the
+domain XML ``vmsandbox.vm.domain.build_domain_xml`` writes for them, under a new name, UUID and
+SSH port.
 Timed, as one shell process: ``virsh create FILE``, then ``ssh true`` (BatchMode, the pinned
 host key) every 0.1 s until it succeeds. Each try waits up to 5 s for the connection and banner
 (ConnectTimeout=5), as vmsandbox's own wait does: with 1 s, ssh gives up on a guest sshd that

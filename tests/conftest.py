@@ -22,8 +22,9 @@ import pytest
 
 from vmsandbox.config import Config
 from vmsandbox.errors import NotFound
-from vmsandbox.manager import Sandbox, SandboxManager
-from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = Path(os.environ.get("VMSANDBOX_IMAGE_DIR", "/var/lib/vmsandbox/images"))
@@ -222,7 +223,7 @@ def leftovers(config: Config, name: str) -> list[str]:
     """Everything of sandbox ``name`` still on the host: domain, files."""
     import libvirt
 
-    from vmsandbox.record import SandboxFiles
+    from vmsandbox.sandbox.record import SandboxFiles
 
     found = [str(path) for path in SandboxFiles.of(config, name).existing()]
     conn = libvirt.open(config.uri)

@@ -1,10 +1,11 @@
 """Test-only entry point: the vmsandbox CLI with a crash checkpoint installed.
 
 ``python tests/crash_cli.py STAGE ARGS...`` runs ``vmsandbox ARGS...``; when a create reaches
-checkpoint STAGE (lifecycle.py: ``locked`` or a step's name, also of a pool fill or claim:
-warmpool.py's ``FILL_STEPS``, ``CLAIM_STEPS`` and ``GPU_CLAIM_STEPS``, e.g. ``attach``) it prints
-``vmsandbox-checkpoint STAGE`` on stderr and waits there to be killed. The product has no such
-hook of its own: the tests put it in through ``SandboxManager.checkpoint``.
+checkpoint STAGE (sandbox/lifecycle.py: ``locked`` or a step's name, also of a pool fill or
+claim: sandbox/warmpool.py's ``FILL_STEPS``, ``CLAIM_STEPS`` and ``GPU_CLAIM_STEPS``, e.g.
+``attach``) it prints ``vmsandbox-checkpoint STAGE`` on stderr and waits there to be killed.
+The product has no such hook of its own: the tests put it in through
+``SandboxManager.checkpoint``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import time
 
 from vmsandbox import cli
-from vmsandbox.manager import SandboxManager
+from vmsandbox.sandbox.manager import SandboxManager
 
 
 def main() -> int:

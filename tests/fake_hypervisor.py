@@ -12,10 +12,10 @@ from typing import Any
 
 from lxml import etree
 
-from vmsandbox import domain as domain_xml
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, NotFound
-from vmsandbox.hypervisor import Stored
+from vmsandbox.vm import domain as domain_xml
+from vmsandbox.vm.hypervisor import Stored
 
 
 @dataclass

@@ -24,11 +24,11 @@ import grpc
 from fake_hypervisor import FakeHypervisor
 
 from vmsandbox.config import Config
-from vmsandbox.manager import SandboxManager
 from vmsandbox.openshell.events import DomainEvent
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.service import ComputeDriver
+from vmsandbox.sandbox.manager import SandboxManager
 
 _TRANSIENT = {
     "reconcilererror",

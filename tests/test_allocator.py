@@ -1,4 +1,4 @@
-"""GPU selection (vmsandbox.allocator.select) on inventories discovered on the fake hosts.
+"""GPU selection (vmsandbox.gpu.allocator.select) on inventories discovered on the fake hosts.
 
 Each host's inventory comes from ``discover()`` run under umockdev (tests/conftest_host.py),
 once per module; tests mark GPUs as held with ``dataclasses.replace``, as the manager does
@@ -17,14 +17,14 @@ from conftest_host import inventory_from_dict, probe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vmsandbox.allocator import select
 from vmsandbox.errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     VmSandboxError,
 )
-from vmsandbox.gpuquery import GpuRequest, memory_satisfies, model_matches
+from vmsandbox.gpu.allocator import select
+from vmsandbox.gpu.request import GpuRequest, memory_satisfies, model_matches
 from vmsandbox.host.discover import IOMMU_OFF
 from vmsandbox.host.model import Gpu, Inventory
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from fake_hypervisor import FakeDomain, FakeHypervisor
 
-from vmsandbox import boot, console
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from vmsandbox.guest_tools import firstboot
-from vmsandbox.record import SandboxFiles
+from vmsandbox.guest.programs import firstboot
+from vmsandbox.sandbox import boot
+from vmsandbox.sandbox.record import SandboxFiles
+from vmsandbox.vm import console
 
 SEABIOS = (
     "\x1bc\x1b[?7l\x1b[2J\x1b[0mSeaBIOS (version 1.16.2-debian-1.16.2-1)\r\n"

@@ -13,9 +13,10 @@ import pytest
 from conftest import cli, cli_env
 
 from vmsandbox.config import Config
-from vmsandbox.manager import Sandbox, SandboxManager
-from vmsandbox.record import SandboxFiles
-from vmsandbox.spec import generate_name
+from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.record import SandboxFiles
+from vmsandbox.sandbox.spec import generate_name
 
 pytestmark = pytest.mark.libvirt
 

@@ -12,7 +12,7 @@ import pytest
 
 from vmsandbox.compat.cliflags import gpu_request_from_flags, parse_gpu_flag_value
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.gpuquery import GpuRequest
+from vmsandbox.gpu.request import GpuRequest
 
 A, B = "0000:41:00.0", "0000:c1:00.0"
 

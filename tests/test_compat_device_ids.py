@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 from conftest_host import inventory_from_dict, probe
 
-from vmsandbox.allocator import select
 from vmsandbox.compat import tako
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.gpuquery import GpuRequest, normalise_device_id
+from vmsandbox.gpu.allocator import select
+from vmsandbox.gpu.request import GpuRequest, normalise_device_id
 from vmsandbox.host.model import Inventory
 
 ROCM_UUID = "GPU-3f5a9c0e71b2d486"

@@ -12,7 +12,7 @@ import pytest
 
 from vmsandbox.compat.flowmesh import gpu_request
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.gpuquery import GpuRequest
+from vmsandbox.gpu.request import GpuRequest
 
 GIB_80 = 80 * 1024  # MiB
 PARSE = "src/shared/utils/parsing.py parse_mem_to_bytes"

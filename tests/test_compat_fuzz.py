@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from vmsandbox.compat import flowmesh, opensandbox, openshell, tako
 from vmsandbox.compat.cliflags import gpu_request_from_flags, parse_gpu_flag_value
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.gpuquery import GpuRequest
+from vmsandbox.gpu.request import GpuRequest
 
 FUZZ = settings(max_examples=250, deadline=None)
 

@@ -11,7 +11,7 @@ import pytest
 
 from vmsandbox.compat.opensandbox import gpu_request
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.gpuquery import GpuRequest
+from vmsandbox.gpu.request import GpuRequest
 
 GPU, NV, AMD = '["gpu"]', '["nvidia.com/gpu"]', '["amd.com/gpu"]'
 PARSE = "helpers.py parse_gpu_request"

@@ -11,7 +11,7 @@ import pytest
 
 from vmsandbox.compat.openshell import gpu_request
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.gpuquery import GpuRequest
+from vmsandbox.gpu.request import GpuRequest
 
 A, B = "0000:41:00.0", "0000:c1:00.0"
 UUID = "GPU-0a1b2c3d-4e5f-6789-abcd-ef0123456789"

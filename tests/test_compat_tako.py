@@ -10,7 +10,7 @@ import pytest
 
 from vmsandbox.compat.tako import gpu_request, job_type_gpu_request
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.gpuquery import GpuRequest
+from vmsandbox.gpu.request import GpuRequest
 
 A, B = "0000:41:00.0", "0000:c1:00.0"
 UUID = "GPU-0a1b2c3d-4e5f-6789-abcd-ef0123456789"

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from conftest_host import inventory_from_dict, probe
 
-from vmsandbox.allocator import select
 from vmsandbox.compat import flowmesh
 from vmsandbox.errors import FailedPrecondition
-from vmsandbox.gpuquery import GpuRequest
+from vmsandbox.gpu.allocator import select
+from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.host.model import Inventory
 
 GB10 = "000f:01:00.0"

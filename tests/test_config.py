@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from vmsandbox import virt
-from vmsandbox.apt_sources import AptSource, host_sources, mirror_lines
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, InvalidArgument
+from vmsandbox.image.apt_sources import AptSource, host_sources, mirror_lines
+from vmsandbox.vm import virt
 
 
 def test_file_then_environment_then_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -9,8 +9,9 @@ from conftest import cli, leftovers
 
 from vmsandbox.config import Config
 from vmsandbox.errors import AlreadyExists, InvalidArgument, NotFound
-from vmsandbox.manager import Sandbox, SandboxManager
-from vmsandbox.spec import SandboxSpec
+from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec
 
 
 def test_unknown_image_is_not_found_and_leaves_nothing(manager: SandboxManager, config: Config):

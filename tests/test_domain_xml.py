@@ -9,7 +9,8 @@ import pytest
 from lxml import etree
 from test_passthrough import define_and_undefine
 
-from vmsandbox.domain import (
+from vmsandbox.guest.programs import control as guest_control
+from vmsandbox.vm.domain import (
     CONTROL_PORT,
     METADATA_NS,
     DomainPlan,
@@ -17,7 +18,6 @@ from vmsandbox.domain import (
     metadata_xml,
     read_metadata,
 )
-from vmsandbox.guest_tools import control as guest_control
 
 SCHEMA = etree.RelaxNG(etree.parse("/usr/share/libvirt/schemas/domain.rng"))
 

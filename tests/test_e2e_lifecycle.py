@@ -9,11 +9,12 @@ import pytest
 from conftest import cli, leftovers
 
 from vmsandbox.config import Config
-from vmsandbox.guest import HostKeyMismatch, run
-from vmsandbox.keys import SandboxKeys, generate
-from vmsandbox.manager import Sandbox, SandboxManager
-from vmsandbox.record import SandboxFiles
-from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.guest.keys import SandboxKeys, generate
+from vmsandbox.guest.ssh import HostKeyMismatch, run
+from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.record import SandboxFiles
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.e2e
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import pytest
 from conftest import REPO
 
-from vmsandbox.spec import generate_name
+from vmsandbox.sandbox.spec import generate_name
 
 # The first start may build both images (CI's fresh machine).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
@@ -40,9 +40,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 NESTED = REPO / "setup" / "nested.sh"
 RV100 = ("0x1002", "0x5159")
 RAGE128P = ("0x1002", "0x5046")
-# Checkpoints after the lock is taken and after create steps (lifecycle.py); the kill at "start"
-# hits a create that would wait for SSH next, its QEMU holding both cards; at "wait" the guest
-# has booted with both cards and the create would verify them next.
+# Checkpoints after the lock is taken and after create steps (sandbox/lifecycle.py); the kill at
+# "start" hits a create that would wait for SSH next, its QEMU holding both cards; at "wait" the
+# guest has booted with both cards and the create would verify them next.
 STAGES = ("locked", "overlay", "define", "start", "wait")
 SMALL = ("--memory", "512")  # L1 has 3 GiB; L2 needs no more to boot and show its PCI tree
 # An L2 under KVM inside a TCG L1 reaches SSH in one to two minutes here; leave room for a
@@ -354,7 +354,7 @@ def kill_at_stage_then_reconcile(stage: str, cards: dict[str, str | None]) -> No
     assert drivers(list(cards)) == cards
 
 
-# -- GPU-ready pooled guests: GPUs attached live to a booted L2 (hotplug.py, gpuclaim.py) ------
+# -- GPU-ready pooled guests: GPUs attached live to a booted L2 (gpu/hotplug.py, gpuclaim.py) ---
 
 POOL_CONFIG = "/etc/vmsandbox/config.toml"  # the nested image's; names its image store
 # One shape, the size of the creates below, whose guests boot with two spare root ports.

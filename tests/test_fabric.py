@@ -1,4 +1,4 @@
-"""NVSwitch fabric (vmsandbox.fabric): fmpm client against the fake fmpm, fabric mode, the
+"""NVSwitch fabric (vmsandbox.gpu.fabric): fmpm client against the fake fmpm, fabric mode, the
 partition policy on the umockdev HGX host, the version rule, and the NVLink parsers on real
 output text (tests/fixtures/guest/fabric)."""
 
@@ -19,24 +19,24 @@ from test_allocator import HGX, discover_hosts
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from vmsandbox.fabric import render, state
-from vmsandbox.fabric.fmpm import Fmpm
-from vmsandbox.fabric.lease import FabricLease
-from vmsandbox.fabric.mode import FULL_PASSTHROUGH, NONE, SHARED, VGPU, FabricMode, detect
-from vmsandbox.fabric.partitions import parse_partition_list
-from vmsandbox.fabric.policy import allocate
-from vmsandbox.fabric.state import Fabric
-from vmsandbox.fabric.version import (
+from vmsandbox.gpu.fabric import render, state
+from vmsandbox.gpu.fabric.fmpm import Fmpm
+from vmsandbox.gpu.fabric.lease import FabricLease
+from vmsandbox.gpu.fabric.mode import FULL_PASSTHROUGH, NONE, SHARED, VGPU, FabricMode, detect
+from vmsandbox.gpu.fabric.partitions import parse_partition_list
+from vmsandbox.gpu.fabric.policy import allocate
+from vmsandbox.gpu.fabric.state import Fabric
+from vmsandbox.gpu.fabric.version import (
     check_driver_matches,
     fm_version,
     image_driver_version,
     parse_fm_version,
     upstream_version,
 )
-from vmsandbox.gpuquery import GpuRequest
-from vmsandbox.guest import ExecResult
+from vmsandbox.gpu.request import GpuRequest
+from vmsandbox.guest.ssh import ExecResult
+from vmsandbox.guest.verify import nvlink
 from vmsandbox.host.model import Inventory
-from vmsandbox.verify import nvlink
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FAKE_FMPM = FIXTURES / "fmpm" / "fmpm"

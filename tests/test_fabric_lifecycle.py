@@ -24,8 +24,8 @@ from conftest_host import umockdev_run
 from test_reliability_crash import kill9, start_create, stop_and_clean
 
 from vmsandbox.config import Config
-from vmsandbox.images import ImageStore
-from vmsandbox.spec import generate_name
+from vmsandbox.image.store import ImageStore
+from vmsandbox.sandbox.spec import generate_name
 
 pytestmark = pytest.mark.libvirt
 

@@ -1,4 +1,4 @@
-"""The project images' first-boot unit (guest_tools/firstboot.py), on the host: it reads the
+"""The project images' first-boot unit (guest/programs/firstboot.py), on the host: it reads the
 seed vmsandbox writes (a real ISO, through isoinfo), refuses every key it does not apply by name,
 and applies a seed into a root folder of the test's own. Its run in a real guest is covered by
 the e2e lifecycle, pool, guest setup and OpenShell tests, which boot the minimal image."""
@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_seed import read_iso
 
-from vmsandbox.guest_tools import firstboot
-from vmsandbox.guest_tools.firstboot import SeedError
-from vmsandbox.guestsetup import ENVIRONMENT_FILE, MAIN_UNIT, GuestFile, GuestSetup
-from vmsandbox.keys import generate
-from vmsandbox.seed import meta_data, network_config, user_data, write_seed
+from vmsandbox.guest.keys import generate
+from vmsandbox.guest.programs import firstboot
+from vmsandbox.guest.programs.firstboot import SeedError
+from vmsandbox.guest.seed import meta_data, network_config, user_data, write_seed
+from vmsandbox.guest.setup import ENVIRONMENT_FILE, MAIN_UNIT, GuestFile, GuestSetup
 
 MAC = "52:54:00:ab:cd:ef"
 SETUP = GuestSetup(

@@ -14,7 +14,7 @@ from conftest import cli, cli_env, leftovers
 from conftest_host import umockdev_run
 
 from vmsandbox.config import Config
-from vmsandbox.image_build import LATE_NIC_ARG
+from vmsandbox.image.build import LATE_NIC_ARG
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,8 +97,9 @@ WORKER = textwrap.dedent(
     import json, sys, time
     from vmsandbox.config import Config
     from vmsandbox.errors import ResourceExhausted
-    from vmsandbox.manager import SandboxManager
-    from vmsandbox.spec import GpuRequest, SandboxSpec
+    from vmsandbox.sandbox.manager import SandboxManager
+    from vmsandbox.gpu.request import GpuRequest
+    from vmsandbox.sandbox.spec import SandboxSpec
 
     worker, rounds = int(sys.argv[1]), int(sys.argv[2])
     manager = SandboxManager(Config.load(), reconcile=False)

@@ -1,5 +1,5 @@
-"""The control channel (guest_tools/control.py in the guest, vmsandbox/control.py on the host),
-on the host: the guest's parser takes only ``hostname NAME`` with a sandbox name and runs no
+"""The control channel (guest/programs/control.py in the guest, guest/control.py on the host), on
+the host: the guest's parser takes only ``hostname NAME`` with a sandbox name and runs no
 program; its answers and its writes go to a root folder of the test's own; the host's client
 talks to the guest's real request loop over a socket pair standing in for the virtio port.
 Its run in a real guest (the claim of a pooled guest) is covered by test_pool.py."""
@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from vmsandbox import control, validate
+from vmsandbox import validate
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from vmsandbox.guest_tools import control as guest_control
-from vmsandbox.guest_tools.control import RequestError, answer, parse, set_hostname
+from vmsandbox.guest import control
+from vmsandbox.guest.programs import control as guest_control
+from vmsandbox.guest.programs.control import RequestError, answer, parse, set_hostname
 
 SOURCE = Path(guest_control.__file__)
 

@@ -1,4 +1,4 @@
-"""The SSH wait's knocks (guest._knock), against real loopback sockets that behave as QEMU's
+"""The SSH wait's knocks (ssh._knock), against real loopback sockets that behave as QEMU's
 user-mode forward does: a guest without network yet (accepted, then silence), a guest whose
 network refuses the port (closed at once), and sshd (its banner, left for the SSH client)."""
 
@@ -10,19 +10,19 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from vmsandbox import guest
 from vmsandbox.errors import DeadlineExceeded
+from vmsandbox.guest import ssh
 
 BANNER = b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n"
 
 
 @pytest.fixture
-def forward() -> Iterator[Callable[[Callable[[socket.socket], None]], guest.Endpoint]]:
+def forward() -> Iterator[Callable[[Callable[[socket.socket], None]], ssh.Endpoint]]:
     """A listener on 127.0.0.1 that hands each accepted connection to ``behave``."""
     servers: list[socket.socket] = []
     held: list[socket.socket] = []
 
-    def start(behave: Callable[[socket.socket], None]) -> guest.Endpoint:
+    def start(behave: Callable[[socket.socket], None]) -> ssh.Endpoint:
         server = socket.create_server(("127.0.0.1", 0))
         servers.append(server)
 
@@ -35,7 +35,7 @@ def forward() -> Iterator[Callable[[Callable[[socket.socket], None]], guest.Endp
             behave(conn)
 
         threading.Thread(target=serve, daemon=True).start()
-        return guest.Endpoint("127.0.0.1", server.getsockname()[1], "sandbox")
+        return ssh.Endpoint("127.0.0.1", server.getsockname()[1], "sandbox")
 
     yield start
     for sock in held + servers:
@@ -44,19 +44,19 @@ def forward() -> Iterator[Callable[[Callable[[socket.socket], None]], guest.Endp
 
 def test_a_silent_guest_is_given_up_within_the_wait(forward):
     endpoint = forward(lambda conn: None)  # accepted, nothing sent: no network in the guest yet
-    with pytest.raises(guest._Silent):
-        guest._knock(endpoint, 0.2)
+    with pytest.raises(ssh._Silent):
+        ssh._knock(endpoint, 0.2)
 
 
 def test_a_refused_port_is_an_eof(forward):
     endpoint = forward(lambda conn: conn.close())  # later knocks wait in the backlog, silent
     with pytest.raises(EOFError):
-        guest._knock(endpoint, 1.0)
+        ssh._knock(endpoint, 1.0)
 
 
 def test_sshds_banner_is_left_unread_for_the_ssh_client(forward):
     endpoint = forward(lambda conn: conn.sendall(BANNER))
-    sock = guest._knock(endpoint, 5.0)
+    sock = ssh._knock(endpoint, 5.0)
     assert sock.gettimeout() is None  # the SSH client sets its own
     try:
         assert sock.recv(len(BANNER), socket.MSG_WAITALL) == BANNER
@@ -70,5 +70,5 @@ def test_no_connection_is_made_while_the_console_says_sshd_is_not_up(forward):
     endpoint = forward(lambda conn: accepted.set())
     keys = None  # never used: the wait gives up before any connection
     with pytest.raises(DeadlineExceeded, match="did not accept SSH"):
-        guest.wait_ready(endpoint, keys, timeout=0.6, sshd_reported=lambda: False)  # type: ignore[arg-type]
+        ssh.wait_ready(endpoint, keys, timeout=0.6, sshd_reported=lambda: False)  # type: ignore[arg-type]
     assert not accepted.wait(0.2)

@@ -10,9 +10,9 @@ import pytest
 from test_seed import read_iso
 
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.guestsetup import ENVIRONMENT_FILE, MAIN_UNIT, GuestFile, GuestSetup
-from vmsandbox.keys import generate
-from vmsandbox.seed import network_config, write_seed
+from vmsandbox.guest.keys import generate
+from vmsandbox.guest.seed import network_config, write_seed
+from vmsandbox.guest.setup import ENVIRONMENT_FILE, MAIN_UNIT, GuestFile, GuestSetup
 
 
 def _files(config: dict) -> dict[str, dict]:

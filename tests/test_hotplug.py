@@ -1,4 +1,4 @@
-"""Spare root ports of GPU-ready pooled guests (vmsandbox.hotplug), in the domain XML.
+"""Spare root ports of GPU-ready pooled guests (vmsandbox.gpu.hotplug), in the domain XML.
 
 The reserves are sized from GPUs the allocator's fake hosts discover (umockdev); every domain
 validates against libvirt's RelaxNG schema and is defined on the real libvirtd, where no
@@ -18,9 +18,9 @@ from lxml import etree
 from test_allocator import discover_hosts
 from test_passthrough import SCHEMA, define_and_undefine, domain_plan, small_bar_gpu
 
-from vmsandbox import hotplug, passthrough
-from vmsandbox.domain import QEMU_NS, build_domain_xml
+from vmsandbox.gpu import hotplug, passthrough
 from vmsandbox.host.model import Inventory
+from vmsandbox.vm.domain import QEMU_NS, build_domain_xml
 
 MIB, GIB = 1 << 20, 1 << 30
 Q = f"{{{QEMU_NS}}}"

@@ -15,7 +15,7 @@ from conftest import cli
 
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.images import ImageStore
+from vmsandbox.image.store import ImageStore
 
 
 def qcow2(path: Path, size: str = "64M", *options: str) -> Path:

@@ -11,12 +11,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from vmsandbox import guest, verify
 from vmsandbox.errors import NotFound
-from vmsandbox.images import BaseImage
-from vmsandbox.manager import Sandbox, SandboxManager
-from vmsandbox.spec import SandboxSpec, generate_name
-from vmsandbox.verify import ExpectedGpu
+from vmsandbox.guest import ssh, verify
+from vmsandbox.guest.verify import ExpectedGpu
+from vmsandbox.image.store import BaseImage
+from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +42,7 @@ def sandbox(manager: SandboxManager, image: BaseImage) -> Iterator[Sandbox]:
 @pytest.fixture(scope="module")
 def runner(manager: SandboxManager, sandbox: Sandbox) -> verify.Runner:
     assert sandbox.ssh is not None
-    return functools.partial(guest.run, sandbox.ssh, manager.keys_of(sandbox))
+    return functools.partial(ssh.run, sandbox.ssh, manager.keys_of(sandbox))
 
 
 def test_a_current_image_is_not_rebuilt(manager: SandboxManager, image: BaseImage) -> None:

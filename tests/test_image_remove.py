@@ -18,9 +18,9 @@ from test_image_import import raw_disk
 
 from vmsandbox.config import Config
 from vmsandbox.errors import NotFound
-from vmsandbox.images import ImageStore, make_overlay
-from vmsandbox.manager import SandboxManager
-from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.image.store import ImageStore, make_overlay
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.libvirt
 

@@ -1,4 +1,4 @@
-"""The image store's build folders (vmsandbox.images), without building a recipe."""
+"""The image store's build folders (vmsandbox.image.store), without building a recipe."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from vmsandbox.images import ImageStore
+from vmsandbox.image.store import ImageStore
 
 
 def _make_disk(tmp: Path) -> dict[str, Any]:

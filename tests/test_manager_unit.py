@@ -16,7 +16,6 @@ import pytest
 from fake_hypervisor import FakeHypervisor, refuse, unit_config
 from test_seed import read_iso
 
-from vmsandbox import lifecycle, power
 from vmsandbox.config import Config
 from vmsandbox.errors import (
     AlreadyExists,
@@ -26,13 +25,14 @@ from vmsandbox.errors import (
     NotFound,
     Unavailable,
 )
-from vmsandbox.guest import Endpoint
-from vmsandbox.guestsetup import GuestFile, GuestSetup
-from vmsandbox.manager import SandboxManager
-from vmsandbox.process import ProcessIdentity
-from vmsandbox.record import SCHEMA_VERSION, SandboxFiles, SandboxRecord
-from vmsandbox.spec import SandboxSpec
-from vmsandbox.verify import VerificationReport
+from vmsandbox.guest.setup import GuestFile, GuestSetup
+from vmsandbox.guest.ssh import Endpoint
+from vmsandbox.guest.verify import VerificationReport
+from vmsandbox.sandbox import lifecycle, power
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.record import SCHEMA_VERSION, SandboxFiles, SandboxRecord
+from vmsandbox.sandbox.spec import SandboxSpec
+from vmsandbox.vm.process import ProcessIdentity
 
 
 @pytest.fixture
@@ -400,7 +400,7 @@ def test_reconcile_releases_only_leases_whose_domain_is_gone(
     assert ledger(config) == ["1.json"]
 
 
-# -- stop, start, wait (power.py) -----------------------------------------------------------------
+# -- stop, start, wait (sandbox/power.py) --------------------------------------------------------
 
 
 def test_stop_presses_the_power_button_and_keeps_the_domain(

@@ -19,13 +19,13 @@ from fake_hypervisor import FakeHypervisor, unit_config
 from grpc_tools import protoc
 from openshell_client import check_capabilities, in_process, stub
 
-from vmsandbox import credential
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.transitions import Transitions
-from vmsandbox.record import SandboxFiles
-from vmsandbox.spec import SandboxSpec
+from vmsandbox.sandbox import credential
+from vmsandbox.sandbox.record import SandboxFiles
+from vmsandbox.sandbox.spec import SandboxSpec
 
 TOKEN = "eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJndy1hdXRoLTEifQ.c2lnbmF0dXJlLW9mLXRoZS1nYXRld2F5"
 WRONG = "eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJzb21lb25lLWVsc2UifQ.bm90LXRoZS1zaWduYXR1cmU"

@@ -10,7 +10,7 @@ import pytest
 from openshell_client import phase
 
 from vmsandbox.openshell.status import MainProcess, main_process, snapshot
-from vmsandbox.sandbox import Sandbox
+from vmsandbox.sandbox.handle import Sandbox
 
 
 def _sandbox(state: str, **extra: Any) -> Sandbox:

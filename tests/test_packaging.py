@@ -51,7 +51,7 @@ def test_the_wheel_ships_templates_and_recipes(tmp_path: Path) -> None:
     assert "vmsandbox/_data/templates/domain.xml" in shipped
     assert "vmsandbox/_data/images/minimal/recipe.toml" in shipped
     assert shipped <= names, sorted(shipped - names)
-    assert {"vmsandbox/py.typed", "vmsandbox/guest_tools/cuda_smoke.py"} <= names
+    assert {"vmsandbox/py.typed", "vmsandbox/guest/programs/cuda_smoke.py"} <= names
     stubs = {f"vmsandbox/openshell/proto/compute_driver_pb2{end}" for end in (".py", "_grpc.py")}
     assert stubs <= names, "the build did not generate the gRPC stubs"
 

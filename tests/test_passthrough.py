@@ -1,4 +1,4 @@
-"""GPU passthrough in the domain XML (vmsandbox.passthrough) and host CPU topology (numa).
+"""GPU passthrough in the domain XML (vmsandbox.gpu.passthrough) and host CPU topology (numa).
 
 Golden files in tests/golden/ hold the whole domain XML for GPUs chosen by the allocator on
 the fake hosts; ``UPDATE_GOLDEN=1 pytest tests/test_passthrough.py`` rewrites them. Every
@@ -23,15 +23,15 @@ from hypothesis import strategies as st
 from lxml import etree
 from test_allocator import discover_hosts
 
-from vmsandbox import passthrough
-from vmsandbox.allocator import Allocation, select
-from vmsandbox.domain import QEMU_NS, DomainPlan, build_domain_xml
-from vmsandbox.fabric.mode import FULL_PASSTHROUGH, FabricMode
-from vmsandbox.fabric.policy import allocate
-from vmsandbox.fabric.state import Fabric
-from vmsandbox.gpuquery import GpuRequest
+from vmsandbox.gpu import passthrough
+from vmsandbox.gpu.allocator import Allocation, select
+from vmsandbox.gpu.fabric.mode import FULL_PASSTHROUGH, FabricMode
+from vmsandbox.gpu.fabric.policy import allocate
+from vmsandbox.gpu.fabric.state import Fabric
+from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.host.model import Bar, Gpu, Inventory
-from vmsandbox.numa import format_cpuset, host_cpus_by_node, parse_cpulist
+from vmsandbox.host.numa import format_cpuset, host_cpus_by_node, parse_cpulist
+from vmsandbox.vm.domain import QEMU_NS, DomainPlan, build_domain_xml
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 SCHEMA = Path("/usr/share/libvirt/schemas/domain.rng")

@@ -126,7 +126,8 @@ def test_fill_then_a_create_claims_the_guest_and_a_refill_follows(pool_config: C
         conn.close()
     assert title == "x"
 
-    # stop/start (power.py) find the claimed sandbox by its record, and act on its guest's domain
+    # stop/start (sandbox/power.py) find the claimed sandbox by its record and act on its guest's
+    # domain
     assert ok("stop", "x", "--grace", "30", config=config)["state"] == "stopped"
     started = ok("start", "x", config=config)
     assert (started["state"], started["domain"]) == ("ready", f"vmsbx-{first}")

@@ -1,4 +1,4 @@
-"""Claiming a GPU-ready pooled guest (warmpool.py, gpuclaim.py) against the in-memory
+"""Claiming a GPU-ready pooled guest (sandbox/warmpool.py, gpuclaim.py) against the in-memory
 hypervisor (tests/fake_hypervisor.py), a fake guest that answers the claim's commands, and the
 GPUs of the HGX fake host as umockdev discovery sees them (made AMD cards, so that the in-guest
 verification is the PCI check: the NVIDIA checks have tests of their own in test_verify.py).
@@ -19,7 +19,6 @@ from fake_hypervisor import FakeHypervisor, refuse, unit_config
 from lxml import etree
 from test_allocator import discover_hosts
 
-from vmsandbox import gpuclaim, hotplug, lifecycle, pool, warmpool
 from vmsandbox.config import Config
 from vmsandbox.errors import (
     DeadlineExceeded,
@@ -27,12 +26,14 @@ from vmsandbox.errors import (
     GuestVerificationFailed,
     InvalidArgument,
 )
-from vmsandbox.gpuquery import GpuRequest
-from vmsandbox.guest import Endpoint, ExecResult
+from vmsandbox.gpu import hotplug
+from vmsandbox.gpu.request import GpuRequest
+from vmsandbox.guest.ssh import Endpoint, ExecResult
 from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.host.model import Inventory
-from vmsandbox.manager import SandboxManager
-from vmsandbox.spec import SandboxSpec
+from vmsandbox.sandbox import gpuclaim, lifecycle, pool, warmpool
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec
 
 SHAPE = {"image": "tiny", "memory_mib": 256, "disk_gib": 1, "count": 1, "gpus": 2}
 DEAD = {"pid": 1, "start": "0", "boot": "another boot"}
@@ -320,8 +321,8 @@ def test_a_bad_gpus_count_of_a_shape_names_its_field(tmp_path: Path) -> None:
 
 
 def test_hostdevs_attach_companions_before_function_0(board: Inventory) -> None:
-    from vmsandbox.gpurecord import GpuRecord
-    from vmsandbox.record import HotplugRecord, SandboxRecord
+    from vmsandbox.gpu.record import GpuRecord
+    from vmsandbox.sandbox.record import HotplugRecord, SandboxRecord
 
     gpu = replace(
         board.gpus[0], companions=("0000:18:00.1",), companion_ids=(("0x10de", "0x22a3"),)

@@ -20,16 +20,17 @@ import pytest
 from fake_hypervisor import IMAGE_ID, FakeHypervisor, unit_config
 from lxml import etree
 
-from vmsandbox import control, lifecycle, pool, warmpool
 from vmsandbox.config import Config, PoolShape, parse_pool
-from vmsandbox.domain import CONTROL_PORT
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, VmSandboxError
-from vmsandbox.guest import HostKeyMismatch
-from vmsandbox.guest_tools import control as guest_control
-from vmsandbox.keys import KeyPair, generate
-from vmsandbox.manager import SandboxManager
-from vmsandbox.record import names_domain
-from vmsandbox.spec import SandboxSpec
+from vmsandbox.guest import control
+from vmsandbox.guest.keys import KeyPair, generate
+from vmsandbox.guest.programs import control as guest_control
+from vmsandbox.guest.ssh import HostKeyMismatch
+from vmsandbox.sandbox import lifecycle, pool, warmpool
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.record import names_domain
+from vmsandbox.sandbox.spec import SandboxSpec
+from vmsandbox.vm.domain import CONTROL_PORT
 
 SHAPE = {"image": "tiny", "memory_mib": 256, "disk_gib": 1, "count": 1}
 
@@ -183,7 +184,7 @@ def test_a_claimed_guest_is_found_by_its_sandbox_name(
 def test_stop_and_start_of_a_claimed_sandbox_act_on_its_guests_domain(
     manager: SandboxManager, hv: FakeHypervisor
 ) -> None:
-    """power.py finds a claimed sandbox by its record: stop and start act on the pooled
+    """sandbox/power.py finds a claimed sandbox by its record: stop and start act on the pooled
     guest's domain, and the record keeps the sandbox's name and its guest."""
     guest = pooled_guest(manager)
     dom = hv.domains[f"vmsbx-{guest}"]

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.libvirt
 _DEFINE = textwrap.dedent(
     """
     import sys
-    from vmsandbox.manager import SandboxManager
-    from vmsandbox.spec import GpuRequest, SandboxSpec
+    from vmsandbox.sandbox.manager import SandboxManager
+    from vmsandbox.gpu.request import GpuRequest
+    from vmsandbox.sandbox.spec import SandboxSpec
     with SandboxManager() as manager:
         manager.create(SandboxSpec(name=sys.argv[1], gpu=GpuRequest(count=1)), start=False)
     """

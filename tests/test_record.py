@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from vmsandbox import credential
 from vmsandbox.errors import FailedPrecondition
-from vmsandbox.gpurecord import GpuRecord
-from vmsandbox.record import SCHEMA_VERSION, HotplugRecord, SandboxRecord
+from vmsandbox.gpu.record import GpuRecord
+from vmsandbox.sandbox import credential
+from vmsandbox.sandbox.record import SCHEMA_VERSION, HotplugRecord, SandboxRecord
 
 # A record as vmsandbox wrote it before the schema had a version (state inside, no "version").
 VERSION_1 = {
@@ -105,7 +105,7 @@ def test_a_version_4_record_reads_without_a_credential_and_version_5_keeps_its_d
 
 
 def test_a_version_4_record_has_no_spare_ports_and_a_gpu_ready_guest_round_trips() -> None:
-    """Version 6 adds the spare root ports of a GPU-ready pooled guest (hotplug.py)."""
+    """Version 6 adds the spare root ports of a GPU-ready pooled guest (gpu/hotplug.py)."""
     old = SandboxRecord.from_dict({**VERSION_1, "version": 4, "guest": "pool-1"})
     assert old.hotplug is None and old.to_dict()["hotplug"] is None
     ready = replace(old, hotplug=HotplugRecord(buses=(1, 2), firmware="bios"))

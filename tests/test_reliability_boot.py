@@ -31,12 +31,12 @@ from pathlib import Path
 import pytest
 from conftest import leftovers
 
-from vmsandbox.boot import NO_SEED_READER
 from vmsandbox.config import Config
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition
-from vmsandbox.images import ImageStore
-from vmsandbox.manager import SandboxManager
-from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.image.store import ImageStore
+from vmsandbox.sandbox.boot import NO_SEED_READER
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.e2e
 

@@ -19,8 +19,8 @@ import pytest
 from conftest import cli, cli_env, leftovers
 
 from vmsandbox.config import Config
-from vmsandbox.manager import SandboxManager
-from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.libvirt
 

@@ -31,19 +31,19 @@ import pytest
 from conftest import cli, cli_env, leftovers
 from conftest_host import umockdev_run
 
-from vmsandbox import domain as domain_xml
-from vmsandbox import lifecycle
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.lock import host_lock
-from vmsandbox.manager import SandboxManager
-from vmsandbox.record import SandboxFiles
-from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.sandbox import lifecycle
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.record import SandboxFiles
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
+from vmsandbox.vm import domain as domain_xml
 
 pytestmark = pytest.mark.libvirt
 
-# Checkpoints after the lock is taken and after create steps (lifecycle.py); "waiting" is the
-# "start" checkpoint of a create that would wait for SSH next.
+# Checkpoints after the lock is taken and after create steps (sandbox/lifecycle.py); "waiting" is
+# the "start" checkpoint of a create that would wait for SSH next.
 STAGES = ("locked", "overlay", "define", "start", "waiting")
 KILLS_PER_STAGE = 4  # 20 kills in one run
 SMALL = ("--memory", "256")
@@ -262,7 +262,7 @@ def test_gpu_create_killed_at_defined_frees_the_gpu_after_reconcile(config: Conf
     # The inventory without the reconcile that opening a manager runs (which would already
     # free the GPU), so that the held GPU can be seen first.
     inventory = (
-        "import json; from vmsandbox.manager import SandboxManager;"
+        "import json; from vmsandbox.sandbox.manager import SandboxManager;"
         "print(json.dumps(SandboxManager(reconcile=False).gpus().to_dict()))"
     )
 

@@ -18,9 +18,9 @@ from conftest import cli, leftovers
 
 from vmsandbox.config import Config
 from vmsandbox.errors import VmSandboxError
-from vmsandbox.images import ImageStore
-from vmsandbox.manager import SandboxManager
-from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.image.store import ImageStore
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.libvirt
 

@@ -26,16 +26,17 @@ from conftest import leftovers
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from vmsandbox import cli
-from vmsandbox import domain as domain_xml
+from vmsandbox.cli import commands
+from vmsandbox.cli.sizes import parse_size_mib
 from vmsandbox.config import Config
 from vmsandbox.errors import ALL_CODES, InvalidArgument, NotFound
-from vmsandbox.image_recipe import recipe_names
-from vmsandbox.manager import Sandbox, SandboxManager
-from vmsandbox.record import LIBVIRT_QEMU_LOG_DIR, SandboxFiles
-from vmsandbox.sizes import parse_size_mib
-from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.image.recipe import recipe_names
+from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.record import LIBVIRT_QEMU_LOG_DIR, SandboxFiles
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 from vmsandbox.validate import validate_image_name, validate_name
+from vmsandbox.vm import domain as domain_xml
 
 FUZZ = settings(max_examples=300, deadline=None)
 SLOW_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -380,7 +381,7 @@ def existing_domains(config: Config) -> set[str]:
 
 
 def run_main(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
-    """``cli.main(argv)`` in this process with its own stdout/stderr; SystemExit is caught."""
+    """``commands.main(argv)`` in this process with its own stdout/stderr; SystemExit is caught."""
     out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
     err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="backslashreplace")
     env = {**{k: v for k, v in os.environ.items() if k != "VMSANDBOX_DEBUG"}, **env}
@@ -390,7 +391,7 @@ def run_main(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
         contextlib.redirect_stderr(err),
     ):
         try:
-            code: Any = cli.main(argv)
+            code: Any = commands.main(argv)
         except SystemExit as exc:  # argparse's --help
             code = exc.code
     for stream in (out, err):
@@ -424,7 +425,7 @@ def test_cli_gives_an_exit_code_and_at_most_one_error_line_for_any_argv(
     if wanted_json:
         error = json.loads(out)["error"]
         assert error["code"] in ALL_CODES
-        assert code == cli.EXIT_CODES[error["code"]]
+        assert code == commands.EXIT_CODES[error["code"]]
         return
     lines = [line for line in err.splitlines() if not line.startswith("[")]  # progress lines
     assert len(lines) == 1, err
@@ -432,7 +433,7 @@ def test_cli_gives_an_exit_code_and_at_most_one_error_line_for_any_argv(
     match = re.match(r"error: ([A-Z_]+): ", lines[0])
     assert match, lines[0]
     assert match.group(1) in ALL_CODES
-    assert code == cli.EXIT_CODES[match.group(1)], lines[0]
+    assert code == commands.EXIT_CODES[match.group(1)], lines[0]
     assert match.group(1) != "INTERNAL", lines[0]
 
 

@@ -27,8 +27,8 @@ from conftest import cli, leftovers
 
 from vmsandbox.config import Config
 from vmsandbox.errors import Unavailable
-from vmsandbox.manager import SandboxManager
-from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 
 pytestmark = pytest.mark.e2e
 

@@ -26,9 +26,10 @@ import pytest
 from conftest import cli, leftovers
 
 from vmsandbox.config import Config
-from vmsandbox.keys import generate
-from vmsandbox.manager import Sandbox, SandboxManager
-from vmsandbox.spec import SandboxSpec, generate_name
+from vmsandbox.guest.keys import generate
+from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vmsandbox"
 

@@ -6,8 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from vmsandbox.keys import SandboxKeys, generate
-from vmsandbox.seed import network_config, write_seed
+from vmsandbox.guest.keys import SandboxKeys, generate
+from vmsandbox.guest.seed import network_config, write_seed
 
 
 def read_iso(iso: Path, name: str) -> str:

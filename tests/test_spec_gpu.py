@@ -1,4 +1,4 @@
-"""GpuRequest and the GPU request vocabulary (vmsandbox.gpuquery)."""
+"""GpuRequest and the GPU request vocabulary (vmsandbox.gpu.request)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.gpuquery import (
+from vmsandbox.gpu.request import (
     GpuRequest,
     MiB,
     bytes_to_mib,
@@ -18,7 +18,7 @@ from vmsandbox.gpuquery import (
     normalise_device_id,
     parse_memory_quantity,
 )
-from vmsandbox.spec import SandboxSpec
+from vmsandbox.sandbox.spec import SandboxSpec
 
 UUID = "GPU-0a1b2c3d-4e5f-6789-abcd-ef0123456789"
 FAST = settings(max_examples=250, deadline=None)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from vmsandbox import verify
 from vmsandbox.errors import GuestVerificationFailed, Unavailable
-from vmsandbox.guest import ExecResult
-from vmsandbox.verify import ExpectedGpu, nvlink
+from vmsandbox.guest import verify
+from vmsandbox.guest.ssh import ExecResult
+from vmsandbox.guest.verify import ExpectedGpu, nvlink
 
 FIXTURES = Path(__file__).parent / "fixtures" / "guest"
-SMOKE = Path(verify.__file__).parent.parent / "guest_tools" / "cuda_smoke.py"
+SMOKE = Path(verify.__file__).parent.parent / "programs" / "cuda_smoke.py"
 CHECK_OF = {
     verify.LSPCI: "lspci",
     verify.DRIVER_PROBE: "probe",

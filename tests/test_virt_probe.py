@@ -1,4 +1,4 @@
-"""The KVM probe of ``virt_type = auto`` (vmsandbox/virt.py) never leaves a QEMU behind, and two
+"""The KVM probe of ``virt_type = auto`` (vmsandbox/vm/virt.py) never leaves a QEMU behind, and two
 creates that start at once on a fresh host run it once.
 
 A create that must probe: a fresh state directory, ``VMSANDBOX_VIRT_TYPE=auto``, no cached
@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 from conftest import Proc, cli_env, leftovers, processes, wait_for, wait_until_gone
 
-from vmsandbox import virt
 from vmsandbox.config import Config
-from vmsandbox.spec import generate_name
+from vmsandbox.sandbox.spec import generate_name
+from vmsandbox.vm import virt
 
 pytestmark = pytest.mark.libvirt
 

@@ -58,7 +58,7 @@ class Config:
     state_dir: Path = Path("/var/lib/vmsandbox")
     image_dir: Path | None = None  # default: <state_dir>/images
     virt_type: str = "auto"  # "auto" | "kvm" | "qemu"
-    # The QEMU that ``auto`` boots to see whether KVM runs guests (vmsandbox/virt.py).
+    # The QEMU that ``auto`` boots to see whether KVM runs guests (vmsandbox/vm/virt.py).
     probe_qemu: str = QEMU
     # "user": QEMU user-mode network, guest port 22 forwarded to 127.0.0.1:<free port>.
     # Any other value names a libvirt network; the guest address comes from its DHCP lease.
@@ -87,7 +87,7 @@ class Config:
     openshell_tls_ca: str = ""
     openshell_tls_cert: str = ""
     openshell_tls_key: str = ""
-    # NVSwitch boards (vmsandbox.fabric). Fabric Manager's config, read for FABRIC_MODE:
+    # NVSwitch boards (vmsandbox.gpu.fabric). Fabric Manager's config, read for FABRIC_MODE:
     fabric_manager_config: Path = Path("/usr/share/nvidia/nvswitch/fabricmanager.cfg")
     # fmpm (NVIDIA/Fabric-Manager-Client): a path, or a name looked up on PATH; and the FM
     # instance it talks to: a unix socket (FM_CMD_UNIX_SOCKET_PATH) or a host name or address
@@ -99,7 +99,7 @@ class Config:
     # (FM in a service VM): the guest's NVIDIA driver must be that release.
     fabric_manager: str = "nv-fabricmanager"
     fm_version: str = ""
-    # The warm pool's shapes, from the ``[pool]`` table (pool.py says how entries name them).
+    # The warm pool's shapes, from the ``[pool]`` table (sandbox/pool.py: how entries name them).
     pool: tuple[PoolShape, ...] = ()
 
     @property
@@ -213,7 +213,7 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
 @dataclass(frozen=True)
 class PoolShape:
     """One ``[pool]`` entry: ``count`` guests of this image and size kept ready, booted with
-    ``gpus`` spare GPU ports (vmsandbox/pool.py says how entries name them and how a create
+    ``gpus`` spare GPU ports (vmsandbox/sandbox/pool.py says how entries name them and how a create
     claims a guest of a shape)."""
 
     key: str

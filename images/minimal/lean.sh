@@ -11,7 +11,7 @@ root="$1"
 # dependencies, mounts the root read-write and hands over to systemd. The NIC is there from the
 # start, so the first-boot unit gives it its address before sshd starts; with
 # vmsandbox.nic=late on the kernel command line (guests booting with passed GPUs: see
-# LATE_NIC_ARG in vmsandbox/image_build.py) its driver is left to udev. /init reads root= and
+# LATE_NIC_ARG in vmsandbox/image/build.py) its driver is left to udev. /init reads root= and
 # rootdelay= from the kernel command line too and, when the root never shows up, says what
 # initramfs-tools says (vmsandbox's boot watcher fails the create on those lines).
 kver=$(ls "$root/lib/modules")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping
 
-from vmsandbox.gpuquery import invalid, shown
+from vmsandbox.gpu.request import invalid, shown
 
 
 def as_mapping(value: object, field: str) -> Mapping[object, object]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from vmsandbox.gpuquery import (
+from vmsandbox.gpu.request import (
     GpuRequest,
     bytes_to_mib,
     check_count_matches_devices,

@@ -40,7 +40,7 @@ import re
 from collections.abc import Mapping
 
 from vmsandbox.compat._wire import optional_mapping, optional_str, reject_unknown_keys
-from vmsandbox.gpuquery import (
+from vmsandbox.gpu.request import (
     GpuRequest,
     bytes_to_mib,
     invalid,

@@ -34,7 +34,7 @@ import re
 from collections.abc import Mapping
 
 from vmsandbox.compat._wire import as_mapping, count_from_text
-from vmsandbox.gpuquery import GpuRequest, invalid, shown
+from vmsandbox.gpu.request import GpuRequest, invalid, shown
 
 _GENERIC = "gpu"
 _GENERIC_VENDOR = "nvidia"  # OpenSandbox maps "gpu" to nvidia.com/gpu

@@ -49,7 +49,13 @@ from vmsandbox.compat._wire import (
     optional_str,
     reject_unknown_keys,
 )
-from vmsandbox.gpuquery import GpuRequest, invalid, normalise_device_id, normalise_device_ids, shown
+from vmsandbox.gpu.request import (
+    GpuRequest,
+    invalid,
+    normalise_device_id,
+    normalise_device_ids,
+    shown,
+)
 
 _GPU = "resource_requirements.gpu"
 _VM = "template.driver_config.vm"

@@ -44,7 +44,7 @@ from vmsandbox.compat._wire import (
     optional_mapping,
     reject_unknown_keys,
 )
-from vmsandbox.gpuquery import GpuRequest, invalid, normalise_device_ids, normalise_vendor, shown
+from vmsandbox.gpu.request import GpuRequest, invalid, normalise_device_ids, normalise_vendor, shown
 
 MAX_GPUS = 16
 _KEYS = ("enabled", "vendor", "count", "device_ids")

@@ -49,7 +49,7 @@ class Gpu:
     drm_cards: tuple[str, ...] = ()
 
     def device_ids(self) -> tuple[str, ...]:
-        """Every canonical device id that names this GPU (see ``vmsandbox.gpuquery``)."""
+        """Every canonical device id that names this GPU (see ``vmsandbox.gpu.request``)."""
         uuid = (self.uuid[:4].upper() + self.uuid[4:].lower(),) if self.uuid else ()
         return (self.bdf, str(self.index), *uuid, *self.drm_cards)
 

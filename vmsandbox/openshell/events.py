@@ -20,8 +20,8 @@ from typing import Protocol
 
 import libvirt
 
-from vmsandbox.domain import DOMAIN_PREFIX
-from vmsandbox.hypervisor import open_connection
+from vmsandbox.vm.domain import DOMAIN_PREFIX
+from vmsandbox.vm.hypervisor import open_connection
 
 log = logging.getLogger(__name__)
 

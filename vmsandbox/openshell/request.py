@@ -15,7 +15,7 @@ and what its guest receives.
   and OPENSHELL_LOG_LEVEL; the sandbox token written 0600 to TOKEN_PATH (named by
   OPENSHELL_SANDBOX_TOKEN_FILE), never put in the environment; ``command`` as the main process.
   ``tty`` has no meaning without the supervisor and is ignored.
-- Credential: a salted digest of the sandbox token (``vmsandbox.credential``) goes into the
+- Credential: a salted digest of the sandbox token (``vmsandbox.sandbox.credential``) goes into the
   record, so AuthenticateSandbox can tell which sandbox holds a token; the token does not.
 - With a supervisor (``vmsandbox.openshell.supervisor``), the guest also gets the supervisor,
   and the command goes to it (OPENSHELL_MAIN_PROCESS_SPEC) instead of a vmsandbox unit.
@@ -30,14 +30,14 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from vmsandbox import credential
 from vmsandbox.compat import openshell as compat
 from vmsandbox.errors import InvalidArgument
-from vmsandbox.guestsetup import GuestFile, GuestSetup, check_environment
+from vmsandbox.guest.setup import GuestFile, GuestSetup, check_environment
 from vmsandbox.openshell import quantity
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.supervisor import Supervisor
-from vmsandbox.spec import SandboxSpec
+from vmsandbox.sandbox import credential
+from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.validate import validate_name
 
 DEFAULT_IMAGE = "minimal"

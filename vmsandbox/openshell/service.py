@@ -13,7 +13,7 @@
 - EnsureWorkspace/DeleteWorkspace succeed with nothing to do: a vmsandbox host has no
   workspace-level resources.
 - AuthenticateSandbox answers the gateway id of the sandbox whose token the credential is,
-  matched against the salted digest in each record (``vmsandbox.credential``).
+  matched against the salted digest in each record (``vmsandbox.sandbox.credential``).
 - Every condition carries the time it last changed (``transitions.Transitions``).
 
 vmsandbox errors keep their code: ``err.code`` is already a gRPC status code name.
@@ -33,7 +33,6 @@ import grpc
 import vmsandbox
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandboxError
-from vmsandbox.manager import SandboxManager
 from vmsandbox.openshell.events import DomainEvent, EventSource
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
@@ -42,8 +41,9 @@ from vmsandbox.openshell.status import MAIN_QUERY, MainProcess, main_process, sn
 from vmsandbox.openshell.supervisor import Supervisor
 from vmsandbox.openshell.transitions import Transitions
 from vmsandbox.openshell.tunnel import GatewayTunnels
-from vmsandbox.record import DOMAIN_PREFIX, STATE_READY
-from vmsandbox.sandbox import Sandbox
+from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.record import DOMAIN_PREFIX, STATE_READY
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

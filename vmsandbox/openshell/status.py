@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vmsandbox.guestsetup import MAIN_UNIT
+from vmsandbox.guest.setup import MAIN_UNIT
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.request import ID_LABEL, NAMESPACE_LABEL, WORKSPACE_LABEL
-from vmsandbox.record import STATE_FAILED, STATE_READY
-from vmsandbox.sandbox import Sandbox
+from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.record import STATE_FAILED, STATE_READY
 
 MAIN_QUERY = f"systemctl show -p LoadState -p ActiveState -p ExecMainStatus {MAIN_UNIT}"
 

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition
-from vmsandbox.guestsetup import GuestFile, systemd_quoted
+from vmsandbox.guest.setup import GuestFile, systemd_quoted
 
 BINARY = "/opt/openshell/bin/openshell-sandbox"
 TLS_DIR = "/opt/openshell/tls"

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import paramiko
 
 from vmsandbox.errors import NotFound, VmSandboxError
-from vmsandbox.guest import connect
-from vmsandbox.manager import SandboxManager
+from vmsandbox.guest.ssh import connect
 from vmsandbox.openshell.splice import splice
+from vmsandbox.sandbox.manager import SandboxManager
 
 log = logging.getLogger(__name__)
 _RETRY_SECONDS = 2.0

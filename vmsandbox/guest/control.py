@@ -1,0 +1,83 @@
+"""The host end of a guest's control channel: the one request a pool claim makes without SSH.
+
+Domains of images that serve it (programs/control.py, listed in the image's meta.json) have
+a virtio-serial port whose host end is a UNIX socket in the sandbox's private folder
+(``SandboxFiles.control``). One request exists: ``hostname NAME``, answered ``ok`` or
+``error: WHY``. Each call opens the socket, sends the request, reads one answer line within a
+short deadline and closes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+import time
+from pathlib import Path
+
+from vmsandbox.errors import DeadlineExceeded, FailedPrecondition
+from vmsandbox.validate import validate_name
+
+TIMEOUT_S = 5.0
+ANSWER_MAX = 512  # bytes of one answer line
+
+
+def restrict(path: Path) -> None:
+    """Make the control channel's socket the owner's alone (0600) once QEMU has made it: QEMU
+    creates it group-writable (0775 under umask 0). Nothing to do where there is none."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.chmod(path, 0o600)
+
+
+def set_hostname(path: Path, name: str, *, guest: str, timeout: float | None = None) -> None:
+    """Ask the guest behind ``path`` to take ``name`` as its hostname. INVALID_ARGUMENT for a
+    name outside the grammar, DEADLINE_EXCEEDED when no answer comes within ``timeout``
+    (TIMEOUT_S by default), FAILED_PRECONDITION when the socket is not there or the guest
+    answers an error."""
+    validate_name(name)
+    timeout = TIMEOUT_S if timeout is None else timeout
+    details = {"guest": guest, "socket": str(path)}
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError as exc:
+        raise FailedPrecondition(
+            f"guest {guest!r} has no control channel at {path} (is its domain running?)",
+            details=details,
+        ) from exc
+    if not stat.S_ISSOCK(info.st_mode):
+        raise FailedPrecondition(
+            f"the control channel of guest {guest!r} at {path} is not a socket", details=details
+        )
+    os.chmod(path, 0o600)  # QEMU makes it group-writable; the folder keeps others out anyway
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.settimeout(timeout)
+            sock.connect(str(path))
+            sock.sendall(f"hostname {name}\n".encode())
+            answer = b""
+            while not answer.endswith(b"\n") and len(answer) < ANSWER_MAX:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                chunk = sock.recv(ANSWER_MAX - len(answer))
+                if not chunk:
+                    break
+                answer += chunk
+        except TimeoutError as exc:
+            raise DeadlineExceeded(
+                f"guest {guest!r} did not answer on its control channel within {timeout:.0f}s",
+                details=details,
+            ) from exc
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"the control channel of guest {guest!r} failed: {exc.strerror or exc}",
+                details=details,
+            ) from exc
+    text = answer.decode("ascii", errors="replace").strip()
+    if text != "ok":
+        raise FailedPrecondition(
+            f"guest {guest!r} refused hostname {name!r} on its control channel: "
+            f"{text or 'no answer (the channel closed)'}",
+            details={**details, "answer": text},
+        )

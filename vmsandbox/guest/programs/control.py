@@ -1,0 +1,162 @@
+#!/usr/bin/python3
+"""vmsandbox's control channel in the guest: the one request a pool claim makes, without SSH.
+
+Baked into the project's own images as /usr/lib/vmsandbox/control.py (compiled there to
+control.pyc) and run as root by ``vmsandbox-control.service`` once sshd has started. It serves
+the virtio-serial port named ``org.vmsandbox.control.0``, whose host end is a socket in the
+sandbox's private folder that only vmsandbox (root) opens. A claim of a pooled guest writes its
+new hostname through it: a few milliseconds, where an SSH login, a shell and sudo took half a
+second under TCG.
+
+It accepts exactly one request, one line: ``hostname NAME`` with NAME in vmsandbox's sandbox
+name grammar (lowercase letters, digits and inner dashes, at most 48), and answers ``ok`` or
+``error: WHY``. Nothing it reads reaches a shell or a program: the name is written to
+/proc/sys/kernel/hostname, /etc/hostname and /etc/hosts by this program itself. Standard
+library only: it runs with ``python3 -I -S``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+PREFIX = "vmsandbox-control"
+PORT_NAME = "org.vmsandbox.control.0"
+# vmsandbox/validate.py's sandbox name grammar (tests/test_guest_control.py keeps the two equal).
+NAME_MAX = 48
+NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\Z")
+REQUEST_MAX = 128  # bytes of one request line, newline included
+PORT_WAIT_S = 30.0
+POLL_S = 0.1
+# While the host end is closed, a read returns at once: the program waits for the kernel's
+# SIGIO (sent when the host connects), and looks again after this long in case one was missed.
+IDLE_WAIT_S = 1.0
+
+
+class RequestError(Exception):
+    """A request this program refuses: the message says why (it goes back to the host)."""
+
+
+def parse(line: bytes) -> str:
+    """The hostname a request line asks for; RequestError for anything else."""
+    if not line.endswith(b"\n"):
+        raise RequestError("a request is one line ending in a newline")
+    try:
+        text = line[:-1].decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise RequestError("a request is ASCII text") from exc
+    verb, _, name = text.partition(" ")
+    if verb != "hostname":
+        raise RequestError(f"unknown request {verb[:20]!r} (the only one is 'hostname NAME')")
+    if not name or len(name) > NAME_MAX or not NAME_RE.match(name):
+        raise RequestError(
+            f"hostname {name[: NAME_MAX + 1]!r} is not a sandbox name (1-{NAME_MAX} lowercase "
+            "letters, digits and inner dashes)"
+        )
+    return name
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` whole through a new file renamed over it (mode 0644, owner root)."""
+    new = path.with_name(f".{path.name}.vmsandbox-new")
+    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(new, path)
+
+
+def set_hostname(
+    name: str, root: Path = Path("/"), kernel: Path = Path("/proc/sys/kernel/hostname")
+) -> None:
+    """The hostname now (the kernel's) and at later boots; /etc/hosts maps it to 127.0.1.1
+    (sudo looks its own host up, and a name missing there would go to DNS)."""
+    hosts = root / "etc/hosts"
+    lines = hosts.read_text().splitlines() if hosts.exists() else []
+    kept = [line for line in lines if line.split()[:1] != ["127.0.1.1"]]
+    _replace(hosts, "\n".join([*kept, f"127.0.1.1 {name}"]) + "\n")
+    _replace(root / "etc/hostname", f"{name}\n")
+    kernel.write_text(name)
+
+
+def answer(line: bytes, apply: Callable[[str], None] = set_hostname) -> bytes:
+    """The answer line to one request line."""
+    try:
+        name = parse(line)
+        apply(name)
+    except RequestError as exc:
+        return f"error: {exc}\n".encode()
+    except OSError as exc:
+        return f"error: setting the hostname failed: {exc.strerror or exc}\n".encode()
+    return b"ok\n"
+
+
+def find_port(sys_ports: Path = Path("/sys/class/virtio-ports"), wait: float = PORT_WAIT_S) -> str:
+    """The /dev name of the port named PORT_NAME (waited for: its driver may still load);
+    "" when the domain has none."""
+    deadline = time.monotonic() + wait
+    while True:
+        for port in sorted(sys_ports.iterdir()) if sys_ports.is_dir() else []:
+            with open(port / "name") as handle:
+                if handle.read().strip() == PORT_NAME:
+                    return port.name
+        if time.monotonic() > deadline:
+            return ""
+        time.sleep(POLL_S)
+
+
+def serve(fd: int, apply: Callable[[str], None] = set_hostname) -> None:
+    """Answer request lines on the open port ``fd``, forever."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGIO})
+    fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    pending = b""
+    overlong = False  # the rest of a line already answered as too long is dropped
+    while True:
+        chunk = os.read(fd, REQUEST_MAX)
+        if not chunk:  # the host end is closed: what it left unfinished is dropped
+            pending, overlong = b"", False
+            signal.sigtimedwait({signal.SIGIO}, IDLE_WAIT_S)
+            continue
+        pending += chunk
+        if overlong:
+            if b"\n" not in pending:
+                pending = b""
+                continue
+            pending, overlong = pending.partition(b"\n")[2], False
+        while b"\n" in pending:
+            line, _, pending = pending.partition(b"\n")
+            os.write(fd, answer(line + b"\n", apply))
+        if len(pending) >= REQUEST_MAX:
+            os.write(fd, f"error: a request is at most {REQUEST_MAX} bytes\n".encode())
+            pending, overlong = b"", True
+
+
+def main(argv: list[str]) -> int:
+    if argv:
+        print(f"{PREFIX}: error: usage: control.py, got {argv!r}", file=sys.stderr)
+        return 2
+    port = find_port()
+    if not port:
+        print(f"{PREFIX}: this domain has no port {PORT_NAME}; nothing to serve", flush=True)
+        return 0
+    try:
+        fd = os.open(f"/dev/{port}", os.O_RDWR | os.O_CLOEXEC)
+        print(f"{PREFIX}: serving {PORT_NAME} on /dev/{port}", flush=True)
+        serve(fd)
+    except OSError as exc:
+        print(f"{PREFIX}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

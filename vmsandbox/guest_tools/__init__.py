@@ -1,1 +1,0 @@
-"""Programs that vmsandbox ships to guests over SSH and runs there (package data)."""

@@ -1,0 +1,132 @@
+"""The GPU steps of claiming a GPU-ready pooled guest: its GPUs attached live, seen, verified.
+
+warmpool.py runs them in ``GPU_CLAIM_STEPS``: the GPUs are chosen under the host lock by the
+allocator a cold create uses (``gpus``, then the fabric partition where there is one), the
+pooled guest is taken and its record names the GPUs (``claim``), then, still under the lock
+(a GPU is held by a domain only once it is in the domain's XML, which is what the allocator
+reads), each GPU is attached with its companions to a spare root port (``attach``). Outside
+the lock the guest is waited for until it sees every GPU (``seen``), and the in-guest
+verification runs (``verified``). Any failure detaches what was attached and removes the
+guest (the claim's undo): it never returns to the pool.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+from vmsandbox.errors import DeadlineExceeded, FailedPrecondition
+from vmsandbox.gpu import hotplug
+from vmsandbox.gpu.record import GpuRecord
+from vmsandbox.host.bdf import libvirt_address
+from vmsandbox.sandbox import lifecycle
+from vmsandbox.sandbox.pool import NoPooledGuest
+from vmsandbox.sandbox.record import HotplugRecord, SandboxRecord
+
+# How long a guest may take to see attached GPUs: seen after 3-5 s on the nested host (L2
+# under KVM in a TCG L1), under load up to a few times that.
+SEEN_TIMEOUT = 60.0
+SEEN_POLL = 0.5
+# The guest's answer: one "<port> <vendor> <device>" line per function 0 below a spare port.
+_SEEN_SCRIPT = (
+    "for port in {ports}; do for fn in /sys/bus/pci/devices/$port/0000:*:00.0; do "
+    '[ -e "$fn/vendor" ] && echo "$port $(cat $fn/vendor) $(cat $fn/device)"; done; done; true'
+)
+
+
+def allocate(c: lifecycle.Creation) -> None:
+    """Choose the GPUs as a cold create does; a choice that needs NVSwitches in the guest
+    (full passthrough) cannot be attached: that create boots cold."""
+    c.allocation = c.allocate()
+    if c.allocation is not None and c.allocation.switches:
+        raise NoPooledGuest(c.spec.image)
+    if c.allocation is not None:
+        shown = ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in c.allocation.gpus)
+        c.progress(f"GPUs: {shown}")
+
+
+def attach(c: lifecycle.Creation) -> None:
+    """Attach each GPU with its companions to the next spare root port of the claimed guest."""
+    record = c.record
+    assert record is not None and record.hotplug is not None  # the claim took a GPU-ready one
+    for gpu, bus, xml in _hostdevs(record, record.hotplug):
+        c.progress(f"attaching GPU {gpu.bdf} to the guest's spare port (bus {bus})")
+        c.hypervisor.attach(c.domain, xml)
+
+
+def detach(r: lifecycle.Remains) -> None:
+    """Undo of ``attach``: detach every GPU the record names (libvirt gives each back to its
+    host driver; one never attached is no error)."""
+    record = r.record
+    if record is None or record.hotplug is None:
+        return
+    for _gpu, _bus, xml in _hostdevs(record, record.hotplug):
+        r.hypervisor.detach(r.domain, xml)
+
+
+def _hostdevs(record: SandboxRecord, ports: HotplugRecord) -> Iterator[tuple[GpuRecord, int, str]]:
+    """(GPU, port bus, hostdev XML) per function, GPU by GPU in port order; a card's
+    companions before its function 0, whose arrival makes the guest scan the slot."""
+    if len(record.gpus) > len(ports.buses):
+        raise FailedPrecondition(
+            f"sandbox {record.name!r} has {len(record.gpus)} GPUs and its guest "
+            f"{len(ports.buses)} spare ports",
+            details={"name": record.name},
+        )
+    for gpu, bus in zip(record.gpus, ports.buses, strict=False):
+        functions = sorted(
+            (gpu.bdf, *gpu.companions), key=lambda bdf: libvirt_address(bdf)["function"]
+        )
+        for bdf in (*functions[1:], functions[0]):
+            xml = hotplug.hostdev_xml(
+                bdf, bus, multifunction=len(functions) > 1, firmware=ports.firmware
+            )
+            yield gpu, bus, xml
+
+
+def seen(c: lifecycle.Creation) -> None:
+    """Wait until the guest sees each GPU (its vendor and device id) below its spare port;
+    DEADLINE_EXCEEDED naming the GPUs it does not see after ``SEEN_TIMEOUT``."""
+    record = c.record
+    assert record is not None and c.endpoint is not None  # made by the claim and hostname steps
+    wanted = {
+        hotplug.guest_port(port): (gpu.bdf, gpu.vendor_id.lower(), gpu.device_id.lower())
+        for port, gpu in enumerate(record.gpus)
+    }
+    command = _SEEN_SCRIPT.format(ports=" ".join(wanted))
+    run = functools.partial(c.guest_run, c.endpoint, c.files.keys(record.host_key_alias))
+    started = time.monotonic()
+    deadline = started + SEEN_TIMEOUT
+    while True:
+        found = {}
+        for line in run(command, timeout=SEEN_TIMEOUT).stdout.splitlines():
+            port, vendor, device = [*line.split(), "", "", ""][:3]
+            found[port] = (vendor.lower(), device.lower())
+        missing = [bdf for port, (bdf, *ids) in wanted.items() if found.get(port) != tuple(ids)]
+        if not missing:
+            c.progress(f"the guest sees its GPUs after {time.monotonic() - started:.1f} s")
+            return
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(
+                f"sandbox {c.name!r}: the guest did not see GPU {', '.join(missing)} within "
+                f"{SEEN_TIMEOUT:.0f} s of attaching it (below its spare ports it saw "
+                f"{found or 'nothing'})",
+                details={"name": c.name, "missing": missing},
+            )
+        time.sleep(SEEN_POLL)
+
+
+def verified(c: lifecycle.Creation) -> None:
+    """The in-guest verification of the attached GPUs; GuestVerificationFailed when it fails
+    (the claim's undos then take the guest apart)."""
+    from vmsandbox.guest.verify import VerificationReport, raise_if_failed
+
+    assert c.record is not None and c.endpoint is not None
+    if not c.verify:
+        return
+    c.progress("verifying the guest's devices")
+    report = lifecycle.verify_guest(c.record, c.endpoint, c.files, c.guest_run)
+    c.record = replace(c.record, verification=report)
+    raise_if_failed(VerificationReport.from_dict(report), subject=f"sandbox {c.name!r}")

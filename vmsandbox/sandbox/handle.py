@@ -1,0 +1,84 @@
+"""A sandbox as a caller sees it: its record, its state now, and where its keys are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vmsandbox.guest.ssh import Endpoint
+from vmsandbox.sandbox.record import SandboxFiles, SandboxRecord
+
+
+@dataclass
+class Sandbox:
+    """A sandbox as a caller sees it."""
+
+    name: str
+    domain: str
+    state: str  # ready | started | starting | failed | creating | defined | stopped | ...
+    image: str
+    cpus: int
+    memory_mib: int
+    disk_gib: int
+    virt_type: str
+    ssh: Endpoint | None
+    key_file: Path
+    known_hosts: Path
+    host_key_alias: str
+    created_at: str
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    verification: dict[str, Any] | None = None
+    boot_seconds: float | None = None
+    failure: dict[str, str] | None = None  # state failed: {code, message} of why (power.wait)
+
+    @classmethod
+    def of(cls, record: SandboxRecord, state: str, files: SandboxFiles) -> Sandbox:
+        ssh = record.ssh
+        keys = files.keys(record.host_key_alias)
+        return cls(
+            name=record.name,
+            domain=record.domain,
+            state=state,
+            image=record.image,
+            cpus=record.cpus,
+            memory_mib=record.memory_mib,
+            disk_gib=record.disk_gib,
+            virt_type=record.virt_type,
+            ssh=Endpoint(ssh.host, ssh.port, ssh.user) if ssh.port else None,
+            key_file=keys.client_key,
+            known_hosts=keys.known_hosts,
+            host_key_alias=record.host_key_alias,
+            created_at=record.created_at,
+            gpus=[gpu.to_dict() for gpu in record.gpus],
+            labels=dict(record.labels),
+            verification=record.verification,
+            failure=record.failure,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "domain": self.domain,
+            "state": self.state,
+            "image": self.image,
+            "cpus": self.cpus,
+            "memory_mib": self.memory_mib,
+            "disk_gib": self.disk_gib,
+            "virt_type": self.virt_type,
+            "ssh": (
+                {"host": self.ssh.host, "port": self.ssh.port, "user": self.ssh.user}
+                if self.ssh
+                else None
+            ),
+            "key_file": str(self.key_file),
+            "known_hosts": str(self.known_hosts),
+            "host_key_alias": self.host_key_alias,
+            "created_at": self.created_at,
+            "gpus": self.gpus,
+            "labels": self.labels,
+            "verification": self.verification,
+            "boot_seconds": self.boot_seconds,
+            "failure": self.failure,
+        }

@@ -1,0 +1,144 @@
+"""Powering a sandbox off and on with its disk and GPUs kept, and waiting for a started guest.
+
+A stopped sandbox keeps its GPUs: the hostdevs of an inactive domain still count as held
+(vmsandbox.host.holders), so no other sandbox takes them meanwhile. Starting passes them through
+again; when one has gone from the host (removed, or taken by a host driver) libvirt refuses, and
+the sandbox is left as it was. Readiness and boot failure are written to the domain's metadata,
+so a watcher of libvirt's metadata events (the OpenShell driver) learns of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+
+from vmsandbox.config import Config
+from vmsandbox.errors import FailedPrecondition, VmSandboxError
+from vmsandbox.guest import control
+from vmsandbox.image.store import ImageStore
+from vmsandbox.progress import Progress
+from vmsandbox.sandbox import boot, lifecycle
+from vmsandbox.sandbox.record import (
+    STATE_CREATING,
+    STATE_FAILED,
+    STATE_POOLED,
+    STATE_READY,
+    STATE_STARTING,
+    SandboxFiles,
+    SandboxRecord,
+)
+from vmsandbox.vm.hypervisor import Hypervisor
+from vmsandbox.vm.process import ProcessIdentity
+
+POLL_S = 0.5
+PRESS_AGAIN_S = 2.0
+
+
+def stop(hypervisor: Hypervisor, domain: str, *, grace: float) -> None:
+    """Press the guest's power button (again every PRESS_AGAIN_S), and power it off when it
+    still runs after ``grace`` seconds. Nothing to do for a domain that does not run.
+
+    A press is lost when nothing in the guest listens yet: a guest that has just answered SSH
+    may still be loading its ACPI button driver or starting logind (the project's lean images
+    coldplug the button and start logind after sshd), and a stop right after a create must not
+    wait out the whole grace."""
+    start = time.monotonic()
+    deadline = start + grace
+    presses = 0
+    while hypervisor.running(domain) and time.monotonic() < deadline:
+        if time.monotonic() >= start + presses * PRESS_AGAIN_S:
+            hypervisor.shutdown(domain)
+            presses += 1
+        time.sleep(POLL_S)
+    if hypervisor.running(domain):
+        hypervisor.stop(domain)
+
+
+def check_powerable(record: SandboxRecord, state: str) -> None:
+    """FAILED_PRECONDITION for a sandbox still being created, and for a pooled guest nobody has
+    claimed (the pool keeps it running for a claim; ``pool drain`` removes it)."""
+    if state == STATE_CREATING:
+        raise FailedPrecondition(
+            f"sandbox {record.name!r} is still being created", details={"name": record.name}
+        )
+    if state == STATE_POOLED:
+        raise FailedPrecondition(
+            f"{record.name!r} is a guest of the warm pool, not a sandbox; "
+            "'vmsandbox pool drain' removes it",
+            details={"name": record.name},
+        )
+
+
+def start(hypervisor: Hypervisor, record: SandboxRecord, state: str, files: SandboxFiles) -> bool:
+    """Start a sandbox that does not run; False when it runs already (nothing done). QEMU makes
+    the control channel's socket anew: it is made the owner's alone (``control.restrict``).
+
+    It is stored as ``starting`` by this process first (so it shows starting, not stopped,
+    between the call and QEMU running). A refused start restores the record and state it had,
+    and the error (FAILED_PRECONDITION with libvirt's words for a GPU that is gone) propagates.
+    """
+    domain = record.domain  # a claimed pooled guest's domain keeps the guest's name
+    check_powerable(record, state)
+    if hypervisor.running(domain):
+        return False
+    starting = replace(record, failure=None, starter=ProcessIdentity.current())
+    hypervisor.set_metadata(domain, starting.to_dict(), STATE_STARTING)
+    try:
+        hypervisor.start(domain)
+    except BaseException as exc:
+        try:
+            hypervisor.set_metadata(domain, record.to_dict(), state)
+        except VmSandboxError as restore:  # the start's error stays the one the caller sees
+            exc.add_note(f"restoring the state of sandbox {record.name!r} failed: {restore}")
+        raise
+    control.restrict(files.control)
+    return True
+
+
+def wait(
+    hypervisor: Hypervisor,
+    config: Config,
+    record: SandboxRecord,
+    progress: Progress,
+    *,
+    verify: bool,
+    timeout: float | None,
+) -> tuple[SandboxRecord, float]:
+    """Wait until a started guest answers SSH (failing fast as boot.py does), verify its GPUs
+    from inside (``verify``) and store it ready; return the record and the seconds waited.
+
+    A guest that does not come up is stored ``failed`` with the error's code and message as its
+    ``failure``, and the error propagates; a failed verification is stored (ready, with its
+    report) and raised as GuestVerificationFailed.
+    """
+    domain = record.domain
+    files = SandboxFiles.of(config, record.stem)
+    limit = timeout or boot.boot_timeout(config.boot_timeout, record.memory_mib, len(record.gpus))
+    watch = boot.BootWatch(hypervisor, record.name, domain, files, _reports_sshd(config, record))
+    try:
+        endpoint = boot.endpoint(watch, record.ssh, timeout=limit)
+        if record.ssh.port is None:  # the DHCP address is kept: get/exec/ssh use it
+            record = replace(record, ssh=replace(record.ssh, host=endpoint.host, port=22))
+        keys = files.keys(record.host_key_alias)
+        waited = boot.wait_for_ssh(watch, endpoint, keys, timeout=limit, progress=progress)
+        report = lifecycle.verify_guest(record, endpoint, files) if verify else None
+    except VmSandboxError as exc:
+        failed = replace(record, failure={"code": exc.code, "message": exc.message})
+        with contextlib.suppress(VmSandboxError):  # the boot's error is the one to see
+            hypervisor.set_metadata(domain, failed.to_dict(), STATE_FAILED)
+        raise
+    record = replace(record, verification=report, failure=None)
+    hypervisor.set_metadata(domain, record.to_dict(), STATE_READY)
+    if report is not None and not report["ok"]:
+        from vmsandbox.guest.verify import VerificationReport, raise_if_failed
+
+        raise_if_failed(VerificationReport.from_dict(report), subject=f"sandbox {record.name!r}")
+    return record, waited
+
+
+def _reports_sshd(config: Config, record: SandboxRecord) -> bool:
+    """Whether the sandbox's image build says on the console when sshd has started (False
+    when the build is gone: the wait then knocks as for any image)."""
+    builds = ImageStore(config.images).builds(record.image)
+    return any(image.id == record.image_id and image.reports_sshd for image in builds)

@@ -1,0 +1,7 @@
+"""libvirt and QEMU: the hypervisor seam (``hypervisor``: the ``Hypervisor`` protocol and its
+libvirt implementation), a sandbox's domain XML (``domain``), the virt type (``virt``: KVM where
+it really runs guests, else TCG), the identity of a process that survives its pid being reused
+(``process``) and what a guest's serial console says about its boot (``console``).
+
+Imports: ``host`` and the shared core only; gpu, guest, image and sandbox build on this package.
+"""

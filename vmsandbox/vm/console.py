@@ -1,0 +1,132 @@
+"""Reading a guest's serial console log: its last lines, how far the boot got, and the lines that
+say it never will (firmware finding nothing to boot, a kernel panic, an initramfs without root).
+
+The log is written by QEMU (``<serial><log file=...>``) and holds firmware, kernel, systemd and
+seed reader output (cloud-init in stock images, vmsandbox's first-boot unit in the project's own),
+colours and cursor moves included; what is shown is stripped of those.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+# Escape sequences of the guest console (colours, cursor moves): never echoed to a terminal.
+_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
+
+# Lines after which a guest never reaches SSH, whatever the wait: firmware (SeaBIOS, OVMF),
+# the kernel, and Debian's initramfs-tools when the root device never shows up.
+FATAL = (
+    re.compile(r"No bootable device"),  # SeaBIOS
+    re.compile(r"No bootable option or device was found"),  # OVMF BdsDxe
+    re.compile(r"Kernel panic - not syncing"),
+    re.compile(r"VFS: Unable to mount root fs"),
+    re.compile(r"Gave up waiting for root"),
+    re.compile(r"ALERT! .* does not exist"),
+    # vmsandbox's first-boot unit refusing or failing to apply the seed (guest/programs/firstboot*)
+    re.compile(r"vmsandbox-firstboot: error: "),
+)
+# Seen when what reads the NoCloud seed runs: cloud-init (its banner, its systemd units, its log
+# lines) or vmsandbox's first-boot unit (its lines, systemd's "Starting <unit> - <description>").
+# Never the kernel command line's echo (``cloud-init=disabled``,
+# ``systemd.mask=vmsandbox-firstboot.service``). Without either, the seed that installs the SSH
+# keys is never read.
+SEED_READER_RE = re.compile(
+    r"Cloud-init v\. |cloud-init(-local)?\.service|cloud-init\[\d+\]"
+    r"|vmsandbox-firstboot(: |\.service - )"
+)
+# The console saying that sshd has started (systemd's status line: the project's images have no
+# ``quiet`` on their kernel command line) and that the network is configured (the first-boot
+# unit's line for a NIC it brought up itself, or networkd's network-online target): a knock
+# sent before the NIC has its address is lost for seconds. The multi-user target comes after
+# all of them and counts for both, should a line be lost.
+SSHD_STARTED_RE = re.compile(r"Started sshd?\.service\b")
+NETWORK_ONLINE_RE = re.compile(
+    r"Reached target network-online\.target\b|vmsandbox-firstboot: \S+ is up at "
+)
+MULTI_USER_RE = re.compile(r"Reached target multi-user\.target\b")
+
+_STAGES = (
+    ("Reached target multi-user", "multi-user target reached"),
+    ("Starting ssh.service", "starting sshd"),
+    ("cloud-init", "cloud-init running"),
+    ("vmsandbox-firstboot", "first-boot unit running"),
+    ("Reached target basic", "basic system up"),
+    ("Run /init", "initramfs"),
+    ("Linux version", "kernel booting"),
+)
+_TAIL_BYTES = 16384
+
+
+def clean(text: str) -> str:
+    """``text`` without escape sequences and unprintable characters (newlines and tabs kept)."""
+    text = _ANSI_RE.sub("", text).replace("\r", "")
+    return "".join(ch for ch in text if ch in "\n\t" or ch.isprintable())
+
+
+def tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of the console log, cleaned; empty when there is none."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - _TAIL_BYTES))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(clean(text).splitlines()[-lines:])
+
+
+def stage(path: Path) -> str:
+    """A short phrase for how far the guest has got, read from its console log."""
+    text = tail(path, 80)
+    if not text:
+        return "firmware"
+    for marker, phrase in _STAGES:
+        if marker in text:
+            return phrase
+    return "booting"
+
+
+class ConsoleWatch:
+    """Follows a console log as it grows: remembers whether a seed reader (cloud-init or the
+    first-boot unit) was ever seen and finds the first fatal line. Reads only what was added
+    since the last ``poll``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seed_reader_seen = False
+        self.sshd_started_seen = False
+        self.network_online_seen = False
+        self.fatal: str | None = None
+        self._offset = 0
+        self._partial = ""
+
+    def poll(self) -> str | None:
+        """The first fatal line seen so far, or None."""
+        try:
+            with self.path.open("rb") as handle:
+                if os.fstat(handle.fileno()).st_size < self._offset:
+                    self._offset, self._partial = 0, ""  # truncated: QEMU started it again
+                handle.seek(self._offset)
+                chunk = handle.read()
+        except OSError:
+            return self.fatal
+        self._offset += len(chunk)
+        text = self._partial + clean(chunk.decode(errors="replace"))
+        lines = text.split("\n")
+        self._partial = lines.pop()  # an unfinished line is read again with the rest of it
+        for line in lines:
+            if SEED_READER_RE.search(line):
+                self.seed_reader_seen = True
+            both = MULTI_USER_RE.search(line) is not None
+            self.sshd_started_seen |= both or SSHD_STARTED_RE.search(line) is not None
+            self.network_online_seen |= both or NETWORK_ONLINE_RE.search(line) is not None
+            if self.fatal is None and any(pattern.search(line) for pattern in FATAL):
+                self.fatal = line.strip()
+        return self.fatal
+
+    @property
+    def sshd_reachable(self) -> bool:
+        """Whether the console has said both that sshd started and that the network is up."""
+        return self.sshd_started_seen and self.network_online_seen

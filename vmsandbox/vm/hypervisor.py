@@ -1,0 +1,302 @@
+"""The hypervisor seam: the few operations the manager needs, and their libvirt implementation.
+
+The manager talks to ``Hypervisor`` only, by domain name, so its logic is unit-tested against a
+fake (tests/fake_hypervisor.py) while the end-to-end tests use the real libvirtd. libvirt's
+failures become our error codes here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import libvirt
+from lxml import etree
+
+from vmsandbox.errors import FailedPrecondition, Internal, NotFound, Unavailable
+from vmsandbox.vm import domain as domain_xml
+
+# libvirt prints every error to stderr unless a handler is registered; we raise them instead.
+libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
+
+_UNAVAILABLE_CODES = {
+    libvirt.VIR_ERR_NO_CONNECT,
+    libvirt.VIR_ERR_INVALID_CONN,
+    libvirt.VIR_ERR_SYSTEM_ERROR,
+    libvirt.VIR_ERR_RPC,
+    libvirt.VIR_ERR_AUTH_FAILED,
+    libvirt.VIR_ERR_OPERATION_TIMEOUT,
+}
+
+
+def open_connection(uri: str) -> libvirt.virConnect:
+    try:
+        return libvirt.open(uri)
+    except libvirt.libvirtError as exc:
+        raise Unavailable(f"cannot connect to libvirt at {uri}: {exc.get_error_message()}") from exc
+
+
+def is_alive(conn: libvirt.virConnect | None) -> bool:
+    if conn is None:
+        return False
+    try:
+        return bool(conn.isAlive())
+    except libvirt.libvirtError:
+        return False
+
+
+def translate(exc: libvirt.libvirtError, doing: str) -> Exception:
+    """Map a libvirt error to the exception a caller should see."""
+    code = exc.get_error_code()
+    message = exc.get_error_message() or str(exc)
+    if code == libvirt.VIR_ERR_NO_DOMAIN:
+        return NotFound(f"{doing}: {message}")
+    if code in _UNAVAILABLE_CODES:
+        return Unavailable(f"{doing}: libvirt is unavailable: {message}")
+    if code in (
+        libvirt.VIR_ERR_CONFIG_UNSUPPORTED,
+        libvirt.VIR_ERR_OPERATION_INVALID,
+        libvirt.VIR_ERR_ARGUMENT_UNSUPPORTED,
+        libvirt.VIR_ERR_OPERATION_FAILED,
+        libvirt.VIR_ERR_INTERNAL_ERROR,
+        libvirt.VIR_ERR_XML_ERROR,
+        libvirt.VIR_ERR_NO_SUPPORT,
+    ):
+        return FailedPrecondition(f"{doing}: libvirt refused: {message}")
+    return Internal(f"{doing}: {message}")
+
+
+@contextmanager
+def libvirt_errors(doing: str) -> Iterator[None]:
+    """Re-raise libvirt errors inside the block as vmsandbox errors."""
+    try:
+        yield
+    except libvirt.libvirtError as exc:
+        raise translate(exc, doing) from exc
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A domain's vmsandbox metadata: the record as stored (None when the domain carries none,
+    i.e. it is not ours) and the lifecycle state beside it."""
+
+    domain: str
+    data: dict[str, Any] | None
+    state: str
+
+
+class Hypervisor(Protocol):
+    """What the manager asks of a hypervisor. Every method names the domain; ``stop``,
+    ``shutdown`` (the guest's ACPI power button), ``undefine`` and ``detach`` succeed when
+    there is nothing to do. ``attach``/``detach`` take a device's XML (a GPU-ready pooled
+    guest's hostdevs, gpu/hotplug.py)."""
+
+    def define(self, xml: str) -> None: ...
+    def start(self, domain: str) -> None: ...
+    def stop(self, domain: str) -> None: ...
+    def shutdown(self, domain: str) -> None: ...
+    def undefine(self, domain: str) -> None: ...
+    def running(self, domain: str) -> bool: ...
+    def stop_reason(self, domain: str) -> str: ...
+    def list(self, prefix: str) -> list[Stored]: ...
+    def metadata(self, domain: str) -> Stored | None: ...
+    def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None: ...
+    def lease_address(self, domain: str) -> str | None: ...
+    def hostdev_holders(self) -> dict[str, str]: ...
+    def attach(self, domain: str, xml: str) -> None: ...
+    def detach(self, domain: str, xml: str) -> None: ...
+    def close(self) -> None: ...
+
+
+# Why libvirt says a domain is shut off or crashed (virDomainShutoffReason, virDomainCrashedReason).
+_SHUTOFF_REASONS = {
+    libvirt.VIR_DOMAIN_SHUTOFF_SHUTDOWN: "the guest powered itself off",
+    libvirt.VIR_DOMAIN_SHUTOFF_DESTROYED: "it was forced off (destroyed)",
+    libvirt.VIR_DOMAIN_SHUTOFF_CRASHED: "QEMU crashed",
+    libvirt.VIR_DOMAIN_SHUTOFF_FAILED: "QEMU failed to start or run",
+    libvirt.VIR_DOMAIN_SHUTOFF_DAEMON: "libvirtd stopped it",
+}
+
+
+class LibvirtHypervisor:
+    """``Hypervisor`` on one libvirt connection, reopened when it has dropped."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self._conn: libvirt.virConnect | None = None
+
+    @property
+    def conn(self) -> libvirt.virConnect:
+        if not is_alive(self._conn):
+            self._conn = open_connection(self.uri)
+        assert self._conn is not None
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(libvirt.libvirtError):
+                self._conn.close()
+            self._conn = None
+
+    def _domain(self, domain: str) -> libvirt.virDomain:
+        with libvirt_errors(f"looking up {_what(domain)}"):
+            return self.conn.lookupByName(domain)
+
+    def define(self, xml: str) -> None:
+        name = etree.fromstring(xml.encode(), etree.XMLParser(resolve_entities=False)).findtext(
+            "name", ""
+        )
+        with libvirt_errors(f"defining {_what(name)}"):
+            self.conn.defineXML(xml)
+
+    def start(self, domain: str) -> None:
+        dom = self._domain(domain)
+        with libvirt_errors(f"starting {_what(domain)}"):
+            dom.create()
+
+    def stop(self, domain: str) -> None:
+        self._unless_stopped(domain, "stopping", lambda dom: dom.destroy())
+
+    def shutdown(self, domain: str) -> None:
+        """Press the guest's power button (ACPI); it powers itself off, or ignores it."""
+        self._unless_stopped(domain, "shutting down", lambda dom: dom.shutdown())
+
+    def _unless_stopped(
+        self, domain: str, doing: str, act: Callable[[libvirt.virDomain], object]
+    ) -> None:
+        """``act`` on the domain; one that is gone or not running is already where it should be."""
+        try:
+            act(self.conn.lookupByName(domain))
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() not in (
+                libvirt.VIR_ERR_NO_DOMAIN,
+                libvirt.VIR_ERR_OPERATION_INVALID,  # not running
+            ):
+                raise translate(exc, f"{doing} {_what(domain)}") from exc
+
+    def undefine(self, domain: str) -> None:
+        try:
+            self.conn.lookupByName(domain).undefineFlags(
+                libvirt.VIR_DOMAIN_UNDEFINE_NVRAM
+                | libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
+                | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
+            )
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() != libvirt.VIR_ERR_NO_DOMAIN:
+                raise translate(exc, f"removing {_what(domain)}") from exc
+
+    def running(self, domain: str) -> bool:
+        try:
+            return self.conn.lookupByName(domain).isActive() == 1
+        except libvirt.libvirtError:
+            return False
+
+    def stop_reason(self, domain: str) -> str:
+        try:
+            state, reason = self.conn.lookupByName(domain).state()
+        except libvirt.libvirtError as exc:
+            return f"its state cannot be read: {exc.get_error_message()}"
+        if state == libvirt.VIR_DOMAIN_CRASHED:
+            return "the guest crashed (panicked)"
+        if state == libvirt.VIR_DOMAIN_SHUTOFF:
+            return _SHUTOFF_REASONS.get(reason, f"libvirt gives shutoff reason {reason}")
+        return f"libvirt gives state {state}, reason {reason}"
+
+    def list(self, prefix: str) -> list[Stored]:
+        with libvirt_errors("listing domains"):
+            domains = self.conn.listAllDomains(0)
+        found = []
+        for dom in domains:
+            if not dom.name().startswith(prefix):
+                continue
+            try:
+                found.append(_stored(dom))
+            except libvirt.libvirtError:
+                continue  # vanished while we looked
+        return found
+
+    def metadata(self, domain: str) -> Stored | None:
+        try:
+            return _stored(self.conn.lookupByName(domain))
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                return None
+            raise translate(exc, f"reading {_what(domain)}") from exc
+
+    def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None:
+        """Store the record and state; the title follows the record's name (a claimed pooled
+        guest's domain keeps its own name)."""
+        dom = self._domain(domain)
+        flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG | (
+            libvirt.VIR_DOMAIN_AFFECT_LIVE if dom.isActive() else 0
+        )
+        with libvirt_errors(f"updating the metadata of {_what(domain)}"):
+            dom.setMetadata(
+                libvirt.VIR_DOMAIN_METADATA_ELEMENT,
+                domain_xml.metadata_xml(data, state),
+                domain_xml.METADATA_KEY,
+                domain_xml.METADATA_NS,
+                flags,
+            )
+            dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_TITLE, str(data["name"]), None, None, flags)
+
+    def lease_address(self, domain: str) -> str | None:
+        """The guest's IPv4 address from its network's DHCP leases, None while it has none."""
+        try:
+            addrs = self.conn.lookupByName(domain).interfaceAddresses(
+                libvirt.VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE
+            )
+        except libvirt.libvirtError:
+            return None
+        for iface in addrs.values():
+            for addr in iface.get("addrs") or []:
+                if addr.get("type") == libvirt.VIR_IP_ADDR_TYPE_IPV4:
+                    return str(addr["addr"])
+        return None
+
+    def hostdev_holders(self) -> dict[str, str]:
+        from vmsandbox.host import libvirt_hostdev_holders
+
+        with libvirt_errors("reading which domains hold PCI devices"):
+            return libvirt_hostdev_holders(self.conn)
+
+    def attach(self, domain: str, xml: str) -> None:
+        """Add device ``xml`` to the running domain and to its definition (a stopped and
+        restarted sandbox keeps it, as a cold-made one keeps its hostdevs)."""
+        dom = self._domain(domain)
+        with libvirt_errors(f"attaching a device to {_what(domain)}"):
+            dom.attachDeviceFlags(xml, _LIVE_AND_CONFIG)
+
+    def detach(self, domain: str, xml: str) -> None:
+        """Remove device ``xml`` from the running domain and its definition; libvirt gives a
+        managed hostdev back to its host driver once the guest has let it go. Succeeds when
+        the domain is gone or does not hold the device."""
+        try:
+            self.conn.lookupByName(domain).detachDeviceFlags(xml, _LIVE_AND_CONFIG)
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() not in (
+                libvirt.VIR_ERR_NO_DOMAIN,
+                libvirt.VIR_ERR_DEVICE_MISSING,
+                libvirt.VIR_ERR_OPERATION_INVALID,  # not running
+            ):
+                raise translate(exc, f"detaching a device from {_what(domain)}") from exc
+
+
+_LIVE_AND_CONFIG = libvirt.VIR_DOMAIN_AFFECT_LIVE | libvirt.VIR_DOMAIN_AFFECT_CONFIG
+
+
+def _what(domain: str) -> str:
+    """How messages name a domain: by its sandbox name when it is one."""
+    if domain.startswith(domain_xml.DOMAIN_PREFIX):
+        return f"sandbox {domain.removeprefix(domain_xml.DOMAIN_PREFIX)!r}"
+    return f"domain {domain!r}"
+
+
+def _stored(dom: libvirt.virDomain) -> Stored:
+    parsed = domain_xml.read_metadata(dom.XMLDesc(0))
+    if parsed is None:
+        return Stored(dom.name(), None, "unknown")
+    return Stored(dom.name(), *parsed)
