@@ -1,4 +1,4 @@
-"""The project images' first-boot unit (guest/programs/firstboot.py), on the host: it reads the
+"""The project images' first-boot unit (guest/programs/firstboot*.py), on the host: it reads the
 seed vmsandbox writes (a real ISO, through isoinfo), refuses every key it does not apply by name,
 and applies a seed into a root folder of the test's own. Its run in a real guest is covered by
 the e2e lifecycle, pool, guest setup and OpenShell tests, which boot the minimal image."""
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import py_compile
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,11 @@ from hypothesis import strategies as st
 from test_seed import read_iso
 
 from vmsandbox.guest.keys import generate
-from vmsandbox.guest.programs import firstboot
-from vmsandbox.guest.programs.firstboot import SeedError
+from vmsandbox.guest.programs import firstboot, firstboot_iso, firstboot_seed
+from vmsandbox.guest.programs.firstboot_seed import SeedError
 from vmsandbox.guest.seed import meta_data, network_config, user_data, write_seed
 from vmsandbox.guest.setup import ENVIRONMENT_FILE, MAIN_UNIT, GuestFile, GuestSetup
+from vmsandbox.image.recipe import RECIPE_DIR, load_recipe, recipe_names
 
 MAC = "52:54:00:ab:cd:ef"
 SETUP = GuestSetup(
@@ -61,8 +64,8 @@ def _base() -> dict[str, Any]:
 
 def test_the_seed_vmsandbox_writes_is_read_whole(tmp_path: Path):
     iso, texts = _seed_files(tmp_path)
-    assert firstboot._volume_label(iso) == firstboot.LABEL  # how the unit finds the seed
-    seed = firstboot.parse(*texts)
+    assert firstboot_iso._volume_label(iso) == firstboot_iso.LABEL  # how the unit finds the seed
+    seed = firstboot_seed.parse(*texts)
     assert (seed.instance_id, seed.hostname, seed.manage_etc_hosts) == ("iid-7", "box", True)
     (user,) = seed.users
     assert (user.name, user.shell, user.sudo) == ("sandbox", "/bin/bash", "ALL=(ALL) NOPASSWD:ALL")
@@ -90,7 +93,7 @@ def test_the_seed_vmsandbox_writes_is_read_whole(tmp_path: Path):
 @pytest.mark.parametrize("guest", [SETUP, None])
 def test_the_unit_reads_the_seed_without_mounting_it(tmp_path: Path, guest: GuestSetup | None):
     iso, texts = _seed_files(tmp_path, guest)
-    assert firstboot.read_seed(iso) == texts  # the same bytes isoinfo finds
+    assert firstboot_iso.read_seed(iso) == texts  # the same bytes isoinfo finds
 
 
 def _iso(tmp_path: Path, files: dict[str, bytes], *options: str) -> Path:
@@ -122,28 +125,28 @@ def test_any_seed_text_is_read_back_as_written(
     for old in tmp_path.glob("files/*"):
         old.unlink()
     iso = _iso(tmp_path, files, "-joliet", "-rock")
-    assert firstboot.read_seed(iso) == (user_data, meta, network or "")
+    assert firstboot_iso.read_seed(iso) == (user_data, meta, network or "")
 
 
 def test_a_seed_without_meta_data_or_joliet_names_what_is_missing(tmp_path: Path):
     iso = _iso(tmp_path, {"user-data": b"#cloud-config\n{}"}, "-joliet", "-rock")
     with pytest.raises(SeedError, match=f"the seed on {iso} has no meta-data"):
-        firstboot.read_seed(iso)
+        firstboot_iso.read_seed(iso)
     iso = _iso(tmp_path, {"meta-data": b"{}"}, "-rock")
     with pytest.raises(SeedError, match="has no Joliet directory"):
-        firstboot.read_seed(iso)
+        firstboot_iso.read_seed(iso)
     (tmp_path / "zeros").write_bytes(bytes(64 * 1024))
     with pytest.raises(SeedError, match="has no Joliet directory"):
-        firstboot.read_seed(tmp_path / "zeros")
+        firstboot_iso.read_seed(tmp_path / "zeros")
 
 
 def test_a_seed_without_guest_setup_has_no_commands(tmp_path: Path):
     _iso, texts = _seed_files(tmp_path, guest=None)
-    assert firstboot.parse(*texts).runcmd == ()
+    assert firstboot_seed.parse(*texts).runcmd == ()
 
 
 def test_a_libvirt_network_nic_uses_dhcp(tmp_path: Path):
-    seed = firstboot.parse(*_texts(_base(), net=network_config(MAC, user_net=False)))
+    seed = firstboot_seed.parse(*_texts(_base(), net=network_config(MAC, user_net=False)))
     (nic,) = seed.nics
     assert nic.dhcp and nic.addresses == ()
     (tmp_path / "net/eth0").mkdir(parents=True)
@@ -193,15 +196,15 @@ def _with(path: str, value: Any) -> tuple:
 )
 def test_what_the_unit_does_not_apply_is_refused_by_name(path: str, value: Any, says: str):
     with pytest.raises(SeedError) as caught:
-        firstboot.parse(*_with(path, value))
+        firstboot_seed.parse(*_with(path, value))
     assert says in str(caught.value)
 
 
 def test_a_seed_that_is_not_vmsandboxs_json_is_refused():
     with pytest.raises(SeedError, match="not the JSON that vmsandbox writes"):
-        firstboot.parse("#cloud-config\nusers:\n - default\n", '{"instance-id": "i"}', "")
+        firstboot_seed.parse("#cloud-config\nusers:\n - default\n", '{"instance-id": "i"}', "")
     with pytest.raises(SeedError, match="must start with '#cloud-config'"):
-        firstboot.parse("#!/bin/sh\necho hi\n", '{"instance-id": "i"}', "")
+        firstboot_seed.parse("#!/bin/sh\necho hi\n", '{"instance-id": "i"}', "")
 
 
 def _ids(user: str, group: str) -> tuple[int, int]:
@@ -212,7 +215,7 @@ def _ids(user: str, group: str) -> tuple[int, int]:
 
 def test_a_seed_is_applied_into_a_root(tmp_path: Path):
     _iso, texts = _seed_files(tmp_path)
-    seed = firstboot.parse(*texts)
+    seed = firstboot_seed.parse(*texts)
     root, sys_net = tmp_path / "root", tmp_path / "net"
     (root / "etc/ssh").mkdir(parents=True)
     (root / "etc/ssh/ssh_host_rsa_key").write_text("stale")
@@ -275,7 +278,7 @@ def _batch(argv: list[str]) -> str:
 def test_a_nic_that_cannot_be_brought_up_is_left_to_networkd(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ):
-    seed = firstboot.parse(*_texts(_base()))
+    seed = firstboot_seed.parse(*_texts(_base()))
     (tmp_path / "net/eth0").mkdir(parents=True)
     (tmp_path / "net/eth0/address").write_text(MAC)
 
@@ -303,13 +306,13 @@ def test_a_nic_that_cannot_be_brought_up_is_left_to_networkd(
 def test_network_values_must_be_addresses(path: str, value: Any, says: str):
     """They go into networkd files and ip commands: no line or word can be slipped in."""
     with pytest.raises(SeedError, match=says):
-        firstboot.parse(*_with(path, value))
+        firstboot_seed.parse(*_with(path, value))
 
 
 def test_a_file_for_a_missing_owner_names_it(tmp_path: Path):
     config = _base()
     config["write_files"] = [{"path": "/etc/x", "content": "", "owner": "nobody9:nobody9"}]
-    seed = firstboot.parse(*_texts(config))
+    seed = firstboot_seed.parse(*_texts(config))
     with pytest.raises(SeedError, match="write_files /etc/x: no user or group 'nobody9'"):
         firstboot.apply_files(seed, tmp_path, _ids)
 
@@ -317,7 +320,7 @@ def test_a_file_for_a_missing_owner_names_it(tmp_path: Path):
 def test_a_nic_the_kernel_named_otherwise_is_renamed_and_one_not_there_yet_is_not(
     tmp_path: Path,
 ):
-    seed = firstboot.parse(*_texts(_base()))
+    seed = firstboot_seed.parse(*_texts(_base()))
     ran: list[list[str]] = []
     firstboot.apply_network(seed, tmp_path, tmp_path / "net", run=ran.append)
     assert ran == []  # no NIC yet: the .link file names it when udev adds it
@@ -350,3 +353,40 @@ def test_a_bad_argument_prints_the_error_line_the_boot_watcher_fails_on(
 ):
     assert firstboot.main(["--bogus"]) == 1
     assert capsys.readouterr().err.startswith(f"{firstboot.PREFIX}: error: usage: ")
+
+
+def test_every_recipe_with_the_unit_installs_its_modules() -> None:
+    """The unit imports its modules from its own folder: a recipe installing firstboot.py
+    installs them beside it (and compiles them, images/common/firstboot.sh)."""
+    modules = sorted(path.name for path in Path(firstboot.__file__).parent.glob("firstboot_*.py"))
+    assert modules == ["firstboot_iso.py", "firstboot_seed.py"]
+    recipes = [load_recipe(name) for name in recipe_names()]
+    with_unit = [
+        recipe for recipe in recipes if "firstboot.py" in recipe.data.get("guest_tools", [])
+    ]
+    assert {recipe.name for recipe in with_unit} >= {"minimal", "nvidia"}
+    for recipe in with_unit:
+        assert set(modules) <= set(recipe.data["guest_tools"]), recipe.name
+    compile_step = (Path(RECIPE_DIR) / "common" / "firstboot.sh").read_text()
+    assert all(f"/usr/lib/vmsandbox/{module}" in compile_step for module in modules)
+
+
+def test_the_unit_runs_as_the_image_runs_it(tmp_path: Path) -> None:
+    """As in the guest: the compiled unit in a folder of its own, beside its modules, under
+    ``python3 -I -S`` (which leaves that folder off sys.path): it finds them and answers."""
+    folder = Path(firstboot.__file__).parent
+    for module in ("firstboot.py", "firstboot_seed.py", "firstboot_iso.py"):
+        (tmp_path / module).write_bytes((folder / module).read_bytes())
+    py_compile.compile(str(tmp_path / "firstboot.py"), cfile=str(tmp_path / "firstboot.pyc"))
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", str(tmp_path / "firstboot.pyc"), "--bogus"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd="/",
+    )
+    assert (done.returncode, done.stdout) == (1, "")
+    assert (
+        done.stderr
+        == f"{firstboot.PREFIX}: error: usage: firstboot.py [--runcmd], got ['--bogus']\n"
+    )

@@ -1,6 +1,7 @@
 #!/bin/sh
 # vmsandbox's own first boot, in place of cloud-init (issue 15). $1 is the image's root directory.
-# The recipe installs /usr/lib/vmsandbox/firstboot.py (guest_tools); this script adds its units.
+# The recipe installs /usr/lib/vmsandbox/firstboot.py and its modules firstboot_seed.py and
+# firstboot_iso.py (guest_tools); this script adds its units.
 # It reads the same NoCloud seed vmsandbox writes for every image (stock cloud images read it
 # with their own cloud-init), so a recipe using it leaves the cloud-init package out.
 set -eu
@@ -69,9 +70,13 @@ ExecStart=/bin/sh -c 'exec resize2fs "$(findmnt -no SOURCE /)"'
 WantedBy=multi-user.target
 UNIT
 
-# Compiled here, once: run as a script, the program would be compiled again at every boot.
-chroot "$root" python3 -c 'import py_compile, sys; py_compile.compile(sys.argv[1], \
-  cfile=sys.argv[1] + "c", doraise=True)' /usr/lib/vmsandbox/firstboot.py
+# Compiled here, once: run as a script, the program would be compiled again at every boot. Its
+# modules are compiled where their imports look (__pycache__ beside them).
+chroot "$root" python3 -c 'import py_compile, sys
+py_compile.compile(sys.argv[1], cfile=sys.argv[1] + "c", doraise=True)
+for module in sys.argv[2:]:
+    py_compile.compile(module, doraise=True)' /usr/lib/vmsandbox/firstboot.py \
+  /usr/lib/vmsandbox/firstboot_seed.py /usr/lib/vmsandbox/firstboot_iso.py
 
 systemctl --root="$root" --quiet enable systemd-networkd.service vmsandbox-firstboot.service \
   vmsandbox-runcmd.service vmsandbox-growfs.service

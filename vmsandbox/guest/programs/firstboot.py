@@ -2,13 +2,14 @@
 """vmsandbox's first-boot unit: applies the NoCloud seed vmsandbox writes, in place of cloud-init.
 
 Baked into the project's own images as /usr/lib/vmsandbox/firstboot.py (compiled there to
-firstboot.pyc) and run by ``vmsandbox-firstboot.service`` before systemd-networkd and sshd
-start. It reads the seed (an ISO 9660 volume labelled ``cidata``: user-data, meta-data,
-network-config) and gives the guest its hostname, the sandbox user with its authorized key and
-sudo rule, the pinned SSH host key, the network, and the files of the sandbox's guest setup;
-the seed's ``runcmd`` is kept for ``vmsandbox-runcmd.service``, which runs it (``--runcmd``)
-beside sshd, as cloud-init's late stages did. Stock cloud images never run this: they keep
-cloud-init and read the same seed.
+firstboot.pyc), with its modules beside it: firstboot_seed.py (the seed's grammar) and
+firstboot_iso.py (finding and reading the seed). ``vmsandbox-firstboot.service`` runs it before
+systemd-networkd and sshd start. It reads the seed (an ISO 9660 volume labelled ``cidata``:
+user-data, meta-data, network-config) and gives the guest its hostname, the sandbox user with
+its authorized key and sudo rule, the pinned SSH host key, the network, and the files of the
+sandbox's guest setup; the seed's ``runcmd`` is kept for ``vmsandbox-runcmd.service``, which
+runs it (``--runcmd``) beside sshd, as cloud-init's late stages did. Stock cloud images never
+run this: they keep cloud-init and read the same seed.
 
 vmsandbox writes user-data as JSON after the ``#cloud-config`` line (JSON is YAML), so the
 standard library's json reads it: no YAML parser to start under TCG. Every key is checked
@@ -20,390 +21,30 @@ instance-id. Standard library only: it runs with ``python3 -I -S``.
 
 from __future__ import annotations
 
-import binascii
 import grp
-import ipaddress
 import json
 import os
 import pwd
 import sys
-import time
-from collections import namedtuple
 from pathlib import Path
 
-# Every import costs under TCG, on the way to sshd: typing, dataclasses (inspect) and subprocess
-# (imported only to start a program, which a first boot with the image's defaults never does)
-# are kept out of the way.
+if __package__:  # a module of vmsandbox (the tests run it on the host)
+    from .firstboot_iso import find_seed, read_seed
+    from .firstboot_seed import Nic, Seed, SeedError, parse
+else:  # in the guest: /usr/lib/vmsandbox/firstboot.pyc, whose folder -I leaves off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from firstboot_iso import find_seed, read_seed
+    from firstboot_seed import Nic, Seed, SeedError, parse
+
+# Every import costs under TCG, on the way to sshd: typing and subprocess (imported only to start
+# a program, which a first boot with the image's defaults never does) are kept out of the way.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
 
 PREFIX = "vmsandbox-firstboot"
-LABEL = b"cidata"
 STATE = Path("/var/lib/vmsandbox")
 RUNCMD_FILE = "runcmd.json"
-# ISO 9660: 2048-byte sectors; the primary volume descriptor at sector 16 ("CD001" at byte 1,
-# the volume id at 40), the others after it; a Joliet one is a supplementary descriptor (type 2)
-# with one of the UCS-2 escape sequences at byte 88.
-ISO_SECTOR = 2048
-PVD_OFFSET = 16 * ISO_SECTOR
-JOLIET_ESCAPES = (b"%/@", b"%/C", b"%/E")
-MAX_DESCRIPTORS = 16
-MAX_DIRECTORY = 64 * ISO_SECTOR
-SEED_WAIT_S = 60.0
-POLL_S = 0.05
-SSH_KEY_TYPES = ("rsa", "ecdsa", "ed25519")
-
-# What this program applies, per seed file; anything else is refused by name.
-USER_DATA_KEYS = frozenset(
-    {
-        "hostname",
-        "manage_etc_hosts",
-        "users",
-        "disable_root",
-        "ssh_deletekeys",
-        "ssh_genkeytypes",
-        "ssh_keys",
-        "write_files",
-        "runcmd",
-    }
-)
-USER_KEYS = frozenset({"name", "shell", "sudo", "lock_passwd", "ssh_authorized_keys"})
-FILE_KEYS = frozenset({"path", "content", "permissions", "owner", "append", "encoding"})
-META_KEYS = frozenset({"instance-id", "local-hostname"})
-NIC_KEYS = frozenset({"match", "set-name", "addresses", "gateway4", "nameservers", "dhcp4"})
-
-
-class SeedError(Exception):
-    """The seed cannot be applied: the message says which key or file, and why."""
-
-
-def _check_keys(what: str, value: object, known: frozenset[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise SeedError(f"{what} must be a mapping, got {type(value).__name__}")
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise SeedError(
-            f"{what} key {unknown[0]!r} is not understood by this image's first-boot unit "
-            f"(it applies: {', '.join(sorted(known))})"
-        )
-    return value
-
-
-def _string(what: str, value: object) -> str:
-    if not isinstance(value, str) or not value or "\0" in value or "\n" in value:
-        raise SeedError(f"{what} must be one line of text, got {value!r}")
-    return value
-
-
-def _ip(what: str, value: object, *, network: bool = False) -> str:
-    """An IP address (``network``: with its prefix length, as 10.0.2.15/24), as given."""
-    text = _string(what, value)
-    try:
-        if network and "/" in text:
-            ipaddress.ip_interface(text)
-        else:
-            ipaddress.ip_address(text)
-    except ValueError:
-        shape = "an address with its prefix length such as 10.0.2.15/24" if network else "an IP"
-        raise SeedError(f"{what} must be {shape}, got {text!r}") from None
-    return text
-
-
-def _flag(what: str, value: object, allowed: tuple[bool, ...] = (True, False)) -> bool:
-    if value not in allowed or not isinstance(value, bool):
-        raise SeedError(f"{what} must be {' or '.join(map(str, allowed)).lower()}, got {value!r}")
-    return value
-
-
-class User(namedtuple("User", "name shell sudo keys")):
-    """A user: name, shell, sudo rule (None: none), authorized keys."""
-
-    __slots__ = ()
-
-
-class File(namedtuple("File", "path data mode owner group append")):
-    """One of write_files: its data is bytes and may be a secret, never shown."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"File(path={self.path!r}, mode={self.mode:#o}, owner={self.owner!r}, ...)"
-
-
-class Nic(namedtuple("Nic", "mac name addresses gateway nameservers dhcp")):
-    """A NIC by MAC: its name, static addresses (CIDR), gateway, name servers, or DHCP."""
-
-    __slots__ = ()
-
-
-class Seed(
-    namedtuple(
-        "Seed",
-        "instance_id hostname manage_etc_hosts users delete_host_keys host_keys files runcmd nics",
-    )
-):
-    """A seed, checked whole: what the guest gets (host_keys: file name under /etc/ssh -> its
-    text; never shown, like the files)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"Seed(instance_id={self.instance_id!r}, hostname={self.hostname!r}, ...)"
-
-
-def parse(user_data: str, meta_data: str, network_config: str) -> Seed:
-    """The seed's three files, checked; SeedError names the first key or value it refuses."""
-    header, _, body = user_data.partition("\n")
-    if header.strip() != "#cloud-config":
-        raise SeedError(f"user-data must start with '#cloud-config', got {header[:40]!r}")
-    try:
-        config = json.loads(body) if body.strip() else {}
-        meta = json.loads(meta_data)
-        network = json.loads(network_config) if network_config.strip() else None
-    except json.JSONDecodeError as exc:
-        raise SeedError(
-            f"the seed is not the JSON that vmsandbox writes ({exc}); an image with this unit "
-            "reads only vmsandbox's seeds (stock cloud images use cloud-init)"
-        ) from exc
-    config = _check_keys("user-data", config, USER_DATA_KEYS)
-    meta = _check_keys("meta-data", meta, META_KEYS)
-    hostname = _string("user-data hostname", config.get("hostname", meta.get("local-hostname")))
-    _flag("user-data disable_root", config.get("disable_root", True), (True,))
-    genkeys = config.get("ssh_genkeytypes", [])
-    if genkeys != []:
-        raise SeedError(
-            f"user-data ssh_genkeytypes must be [] (host keys come from ssh_keys), got {genkeys!r}"
-        )
-    return Seed(
-        instance_id=_string("meta-data instance-id", meta.get("instance-id")),
-        hostname=hostname,
-        manage_etc_hosts=_flag("user-data manage_etc_hosts", config.get("manage_etc_hosts", False)),
-        users=tuple(_user(i, u) for i, u in enumerate(_list("user-data users", config, "users"))),
-        delete_host_keys=_flag("user-data ssh_deletekeys", config.get("ssh_deletekeys", True)),
-        host_keys=_host_keys(config.get("ssh_keys", {})),
-        files=tuple(
-            _file(i, f) for i, f in enumerate(_list("user-data write_files", config, "write_files"))
-        ),
-        runcmd=tuple(_command(i, c) for i, c in enumerate(_list("runcmd", config, "runcmd"))),
-        nics=_network(network),
-    )
-
-
-def _list(what: str, config: dict[str, Any], key: str) -> list[Any]:
-    value = config.get(key, [])
-    if not isinstance(value, list):
-        raise SeedError(f"{what} must be a list, got {type(value).__name__}")
-    return value
-
-
-def _user(index: int, value: object) -> User:
-    what = f"user-data users[{index}]"
-    entry = _check_keys(what, value, USER_KEYS)
-    _flag(f"{what} lock_passwd", entry.get("lock_passwd", True), (True,))
-    keys = entry.get("ssh_authorized_keys", [])
-    if not isinstance(keys, list):
-        raise SeedError(f"{what} ssh_authorized_keys must be a list")
-    sudo = entry.get("sudo")
-    return User(
-        name=_string(f"{what} name", entry.get("name")),
-        shell=_string(f"{what} shell", entry.get("shell", "/bin/bash")),
-        sudo=None if sudo is None else _string(f"{what} sudo", sudo),
-        keys=tuple(_string(f"{what} ssh_authorized_keys[{i}]", k) for i, k in enumerate(keys)),
-    )
-
-
-def _host_keys(value: object) -> dict[str, str]:
-    known = frozenset(f"{t}_{part}" for t in SSH_KEY_TYPES for part in ("private", "public"))
-    entry = _check_keys("user-data ssh_keys", value, known)
-    keys = {}
-    for key, text in entry.items():
-        if not isinstance(text, str) or not text.strip():
-            raise SeedError(f"user-data ssh_keys {key} must be the key's text")
-        kind, part = key.rsplit("_", 1)
-        name = f"ssh_host_{kind}_key" + (".pub" if part == "public" else "")
-        keys[name] = text if text.endswith("\n") else text + "\n"
-    return keys
-
-
-def _file(index: int, value: object) -> File:
-    what = f"user-data write_files[{index}]"
-    entry = _check_keys(what, value, FILE_KEYS)
-    path = _string(f"{what} path", entry.get("path"))
-    if not path.startswith("/") or "/../" in path + "/":
-        raise SeedError(f"{what} path must be absolute, without '..', got {path!r}")
-    content = entry.get("content", "")
-    if not isinstance(content, str):
-        raise SeedError(f"{what} content must be text")
-    encoding = entry.get("encoding", "text/plain")
-    if encoding in ("b64", "base64"):
-        data = binascii.a2b_base64(content, strict_mode=True)
-    elif encoding == "text/plain":
-        data = content.encode()
-    else:
-        raise SeedError(f"{what} encoding {encoding!r} is not understood (b64 or none)")
-    permissions = entry.get("permissions", "0644")
-    try:
-        mode = int(permissions, 8) if isinstance(permissions, str) else -1
-    except ValueError:
-        mode = -1
-    if not 0 <= mode <= 0o7777:
-        raise SeedError(f"{what} permissions must be octal such as '0600', got {permissions!r}")
-    owner, _, group = _string(f"{what} owner", entry.get("owner", "root:root")).partition(":")
-    return File(
-        path=path,
-        data=data,
-        mode=mode,
-        owner=owner,
-        group=group or owner,
-        append=_flag(f"{what} append", entry.get("append", False)),
-    )
-
-
-def _command(index: int, value: object) -> list[str]:
-    if isinstance(value, str):
-        return ["sh", "-c", value]
-    if isinstance(value, list) and value and all(isinstance(word, str) for word in value):
-        return list(value)
-    raise SeedError(f"runcmd[{index}] must be a shell line or a list of words, got {value!r}")
-
-
-def _network(value: object) -> tuple[Nic, ...]:
-    if value is None:
-        return ()
-    config = _check_keys("network-config", value, frozenset({"version", "ethernets"}))
-    if config.get("version") != 2:
-        raise SeedError(f"network-config version must be 2, got {config.get('version')!r}")
-    ethernets = config.get("ethernets", {})
-    if not isinstance(ethernets, dict):
-        raise SeedError("network-config ethernets must be a mapping")
-    return tuple(_nic(key, nic) for key, nic in ethernets.items())
-
-
-def _nic(key: str, value: object) -> Nic:
-    what = f"network-config ethernets.{key}"
-    entry = _check_keys(what, value, NIC_KEYS)
-    match = _check_keys(f"{what} match", entry.get("match"), frozenset({"macaddress"}))
-    dns = _check_keys(f"{what} nameservers", entry.get("nameservers", {}), frozenset({"addresses"}))
-    addresses = entry.get("addresses", [])
-    servers = dns.get("addresses", [])
-    if not isinstance(addresses, list) or not isinstance(servers, list):
-        raise SeedError(f"{what} addresses and nameservers.addresses must be lists")
-    dhcp = _flag(f"{what} dhcp4", entry.get("dhcp4", False))
-    if dhcp == bool(addresses):
-        raise SeedError(f"{what} needs either dhcp4: true or static addresses, not both")
-    gateway = entry.get("gateway4")
-    return Nic(
-        mac=_string(f"{what} match.macaddress", match.get("macaddress")).lower(),
-        name=_string(f"{what} set-name", entry.get("set-name", key)),
-        addresses=tuple(_ip(f"{what} addresses", a, network=True) for a in addresses),
-        gateway=None if gateway is None else _ip(f"{what} gateway4", gateway),
-        nameservers=tuple(_ip(f"{what} nameservers", a) for a in servers),
-        dhcp=dhcp,
-    )
-
-
-# -- reading the seed -----------------------------------------------------------------------------
-
-
-def _volume_label(device: Path) -> bytes | None:
-    """The ISO 9660 volume id of a block device, or None when it holds no ISO 9660 volume."""
-    try:
-        with device.open("rb") as handle:
-            handle.seek(PVD_OFFSET)
-            pvd = handle.read(72)
-    except OSError:
-        return None
-    if len(pvd) < 72 or pvd[:6] != b"\x01CD001":
-        return None
-    return pvd[40:72].rstrip(b" \0")
-
-
-def find_seed(dev: Path = Path("/dev"), timeout: float = SEED_WAIT_S) -> Path:
-    """The block device of the volume labelled cidata (whole disks and CD-ROMs, waited for:
-    their drivers may still be loading)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for name in sorted(os.listdir("/sys/class/block")):
-            partition = os.path.exists(f"/sys/class/block/{name}/partition")
-            if not partition and _volume_label(dev / name) == LABEL:
-                return dev / name
-        if time.monotonic() > deadline:
-            raise SeedError(
-                f"no NoCloud seed (an ISO 9660 volume labelled cidata) appeared within "
-                f"{timeout:.0f}s"
-            )
-        time.sleep(POLL_S)
-
-
-def read_seed(device: Path) -> tuple[str, ...]:
-    """user-data, meta-data and network-config ("" when absent) of the seed on ``device``,
-    read from its Joliet directory (vmsandbox writes the seed with genisoimage -joliet): no
-    mount, so no mount and umount programs and no iso9660 driver to load on the way to sshd."""
-    try:
-        with device.open("rb") as volume:
-            files = _joliet_root(volume, device)
-            texts = []
-            for name in ("user-data", "meta-data", "network-config"):
-                if name not in files:
-                    if name == "network-config":
-                        texts.append("")
-                        continue
-                    raise SeedError(f"the seed on {device} has no {name}")
-                extent, size = files[name]
-                volume.seek(extent * ISO_SECTOR)
-                data = volume.read(size)
-                if len(data) != size:
-                    raise SeedError(f"the seed on {device} ends inside {name}")
-                texts.append(data.decode())
-            return tuple(texts)
-    except UnicodeDecodeError as exc:
-        raise SeedError(f"the seed on {device} holds a file that is not UTF-8 ({exc})") from exc
-
-
-def _joliet_root(volume: Any, device: Path) -> dict[str, tuple[int, int]]:
-    """The files in the root directory of the volume's Joliet tree: name -> (extent, size)."""
-    for sector in range(16, 16 + MAX_DESCRIPTORS):
-        volume.seek(sector * ISO_SECTOR)
-        descriptor = volume.read(ISO_SECTOR)
-        if len(descriptor) < ISO_SECTOR or descriptor[1:6] != b"CD001" or descriptor[0] == 255:
-            break
-        if descriptor[0] == 2 and descriptor[88:91] in JOLIET_ESCAPES:
-            root = descriptor[156:190]
-            extent, size = _u32(root, 2), _u32(root, 10)
-            if size > MAX_DIRECTORY:
-                raise SeedError(f"the seed on {device} has a root directory of {size} bytes")
-            volume.seek(extent * ISO_SECTOR)
-            return _directory(volume.read(size))
-    raise SeedError(f"the seed on {device} has no Joliet directory (vmsandbox writes one)")
-
-
-def _directory(data: bytes) -> dict[str, tuple[int, int]]:
-    """The plain files of one ISO 9660 directory with Joliet (UCS-2) names, version cut."""
-    files = {}
-    at = 0
-    while at < len(data):
-        length = data[at]
-        if length == 0:  # records do not cross sectors: the rest of this one is padding
-            at = (at // ISO_SECTOR + 1) * ISO_SECTOR
-            continue
-        record = data[at : at + length]
-        at += length
-        name_length = record[32]
-        if length < 33 + name_length or record[25] & 0x02:  # short, or a directory
-            continue
-        name = record[33 : 33 + name_length].decode("utf-16-be", errors="replace")
-        files[name.split(";", 1)[0]] = (_u32(record, 2), _u32(record, 10))
-    return files
-
-
-def _u32(data: bytes, at: int) -> int:
-    """The little-endian half of an ISO 9660 both-endian 32-bit number."""
-    return int.from_bytes(data[at : at + 4], "little")
-
-
-# -- applying it ----------------------------------------------------------------------------------
 
 
 def _run(argv: list[str]) -> None:
