@@ -333,6 +333,10 @@ STARTING = frozenset({"start", "wait", "verify"})
 # -- running them -------------------------------------------------------------------------------
 
 
+def no_checkpoint(_stage: str) -> None:
+    """The default crash checkpoint: nothing (tests install one that stops the create)."""
+
+
 def run(
     steps: tuple[Step, ...],
     creation: Creation,

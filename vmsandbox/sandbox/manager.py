@@ -1,11 +1,8 @@
 """SandboxManager: the path of one sandbox, from request to a running, reachable VM, and back.
 
-It orchestrates and nothing else. The record and files are record.py's, reading and writing
-them in libvirt store.py's; planning the domain is plan.py's; the create steps and their undos
-are lifecycle.py's; the boot wait is boot.py's (console reading: vm/console.py); stop, start and
-the wait for readiness are power.py's; reconcile is reconcile.py's; libvirt is behind
-vm/hypervisor.py's ``Hypervisor``; the warm pool is warmpool.py's. libvirt is the source of truth:
-every sandbox is a persistent domain whose metadata holds its record (store.py says which).
+It orchestrates and nothing else: each step is the work of a module of this package (the
+package's docstring says which), libvirt is behind vm/hypervisor.py's ``Hypervisor`` and the
+source of truth: every sandbox is a persistent domain whose metadata holds its record.
 """
 
 from __future__ import annotations
@@ -51,10 +48,6 @@ if TYPE_CHECKING:
     from vmsandbox.host.model import Gpu, Inventory
 
 
-def _no_checkpoint(_stage: str) -> None:
-    """The default crash checkpoint: nothing (tests install one that stops the create)."""
-
-
 class SandboxManager:
     """Create, find, use, stop, start and destroy sandboxes on one host.
 
@@ -63,7 +56,7 @@ class SandboxManager:
     ``config.uri``; unit tests hand in a fake.
     """
 
-    checkpoint: Callable[[str], None] = staticmethod(_no_checkpoint)
+    checkpoint: Callable[[str], None] = staticmethod(lifecycle.no_checkpoint)
 
     def __init__(
         self,
@@ -235,12 +228,7 @@ class SandboxManager:
 
     def get(self, name: str) -> Sandbox:
         record, state = self.store.get(name)
-        if record.ssh.port is None:  # libvirt network: learn the DHCP address once, keep it
-            address = self.hypervisor.lease_address(record.domain)
-            if address is not None:
-                record = replace(record, ssh=replace(record.ssh, host=address, port=22))
-                self.store.put(record, state)
-        return self.store.view(record, state)
+        return self.store.view(self.store.with_address(record, state), state)
 
     def list(self) -> list[Sandbox]:
         """The sandboxes (pooled guests not claimed yet are the pool's: ``pool.show``)."""

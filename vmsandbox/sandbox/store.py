@@ -9,6 +9,8 @@ names that guest). Every reader finds a sandbox by the name in its record.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, NotFound
 from vmsandbox.sandbox import plan
@@ -81,6 +83,16 @@ class SandboxStore:
 
     def put(self, record: SandboxRecord, state: str) -> None:
         self.hypervisor.set_metadata(record.domain, record.to_dict(), state)
+
+    def with_address(self, record: SandboxRecord, state: str) -> SandboxRecord:
+        """``record``, and for a libvirt-network guest whose address is not known yet the
+        address of its DHCP lease once there is one, learned once and kept in the record."""
+        if record.ssh.port is None:
+            address = self.hypervisor.lease_address(record.domain)
+            if address is not None:
+                record = replace(record, ssh=replace(record.ssh, host=address, port=22))
+                self.put(record, state)
+        return record
 
     def view(self, record: SandboxRecord, state: str) -> Sandbox:
         """The sandbox as a caller sees it: its recorded state while its domain runs (or while
