@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # The nested GPU host: an L1 guest with an emulated Intel IOMMU and two emulated ati-vga cards, in
-# which vmsandbox's GPU path runs on real VFIO (see README, "The nested GPU host").
+# which vmsandbox's GPU path runs on real VFIO (docs: "The nested GPU host").
 #
-#   setup/nested.sh start             build the image if needed, boot L1 (or reuse the running
+#   setup/nested.sh start             build the images if needed, boot L1 (or reuse the running
 #                                     one), copy this checkout's vmsandbox in, wait for
-#                                     `vmsandbox gpus` to answer inside
+#                                     `vmsandbox gpus` to answer inside; the first boot also
+#                                     saves L1 as it is then (the pristine snapshot)
 #   setup/nested.sh exec -- CMD...    run CMD as root inside, vmsandbox on PATH; stdout, stderr
 #                                     and the exit status pass through
-#   setup/nested.sh stop              power L1 off and remove what start made (not the image)
-#   setup/nested.sh restart           stop, then start a fresh L1 (KVM inside TCG wears: see
-#                                     README, "The nested GPU host")
+#   setup/nested.sh restart           throw the running L1 away and start a pristine one from
+#                                     the snapshot (about 5 s; a cold boot when there is none)
+#   setup/nested.sh kill              stop L1's QEMU at once (a sick L1), keep the snapshot
+#   setup/nested.sh stop              power L1 off and remove what start made (not the images)
 #
 # Environment: PYTHON (default .venv/bin/python) runs vmsandbox here for the image builds;
 # VMSANDBOX_NESTED_DIR (default /var/tmp/vmsandbox-nested) holds the running host's files;
-# VMSANDBOX_NESTED_CPUS (default 2), VMSANDBOX_NESTED_MEMORY_MIB (default 3072) and
-# VMSANDBOX_NESTED_BOOT_TIMEOUT (default 900 s). L1 is a plain QEMU process under TCG in a
-# session of its own; its SSH is forwarded to 127.0.0.1 only.
+# VMSANDBOX_NESTED_CPUS (default 2), VMSANDBOX_NESTED_MEMORY_MIB (default 3072),
+# VMSANDBOX_NESTED_CPU (default EPYC), VMSANDBOX_NESTED_TCG_THREAD (multi or single, default
+# multi) and VMSANDBOX_NESTED_BOOT_TIMEOUT (default 900 s). L1 is a plain QEMU process under TCG
+# in a session of its own; its SSH is forwarded to 127.0.0.1 only, its monitor is a UNIX socket
+# in VMSANDBOX_NESTED_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +41,8 @@ QEMU=/usr/bin/qemu-system-x86_64
 # and panic. With `-cpu max` loops here crawled at the second create in one L1 (`max,-vgif` too);
 # with EPYC 11 creates in a row in two loops took 42-50 s each, but a later module run lost 2 of
 # its 8 EPYC L1s (a crawl, panics). Not fixed, perhaps rarer; the tests retry in a fresh L1.
-L1_CPU=EPYC
+L1_CPU="${VMSANDBOX_NESTED_CPU:-EPYC}"
+TCG_THREAD="${VMSANDBOX_NESTED_TCG_THREAD:-multi}"
 # The two cards: an RV100 (Radeon 7000, 1002:5159, which radeon drives) and a Rage 128 Pro
 # (1002:5046, which no driver of the generic kernel binds by default), in slots of their own so
 # each is alone in its IOMMU group.
@@ -95,17 +100,60 @@ sync_code() {
     | ssh_l1 'cd /opt/vmsandbox/src && rm -rf vmsandbox templates tests && tar -xf -'
 }
 
-# Wait until CMD... succeeds in L1 (L1 must stay up, within the boot timeout).
+# Wait until CMD... succeeds in L1 (L1 must stay up, within the boot timeout); its last output
+# goes to stdout.
 wait_for() {
-  local deadline=$((SECONDS + BOOT_TIMEOUT))
-  until ssh_l1 "$@" >/dev/null 2>&1; do
+  local deadline=$((SECONDS + BOOT_TIMEOUT)) out
+  until out=$(ssh_l1 "$@" 2>/dev/null); do
     running || { tail -n 40 "$STATE/console.log" "$STATE/qemu.log" >&2 || true; die "L1 exited (console and QEMU log above)"; }
     [ "$SECONDS" -lt "$deadline" ] || {
       tail -n 40 "$STATE/console.log" >&2 || true
       die "'$*' did not succeed in L1 within ${BOOT_TIMEOUT}s (console above)"
     }
-    sleep 5
+    sleep 1
   done
+  [ -z "$out" ] || printf '%s\n' "$out"
+}
+
+# L1's QEMU command line. Its disks are thin overlays under $STATE/run, over the images at a cold
+# boot and over the snapshot's disks after a restore; the rest is the same both ways, as loading a
+# saved state needs.
+qemu_args() {
+  local nested
+  nested=$(cat "$STATE/image")
+  QEMU_ARGS=(
+    "$QEMU" -name vmsandbox-nested -nodefaults -machine q35 -accel "tcg,thread=$TCG_THREAD"
+    -cpu "$L1_CPU" -smp "$CPUS" -m "$MEMORY_MIB"
+    -device intel-iommu,intremap=on,caching-mode=on
+    -vga std "${CARDS[@]}"
+    -kernel "$nested/vmlinuz" -initrd "$nested/initrd.img"
+    -append "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 intel_iommu=on"
+    -drive "file=$STATE/run/l1.qcow2,if=virtio,format=qcow2"
+    -drive "file=$STATE/run/data.qcow2,if=virtio,format=qcow2"
+    -netdev "user,id=n0,hostfwd=tcp:127.0.0.1:$(cat "$STATE/port")-:22"
+    -device virtio-net-pci,netdev=n0 -device virtio-rng-pci
+    -display none -serial "file:$STATE/console.log" -pidfile "$STATE/qemu.pid"
+    -qmp "unix:$STATE/qmp.sock,server=on,wait=off"
+  )
+}
+
+# Start L1's QEMU with the extra arguments given, in a session of its own so it outlives this
+# script (its errors stay in qemu.log).
+launch() {
+  qemu_args
+  rm -f "$STATE/qemu.pid" "$STATE/qmp.sock"
+  setsid "${QEMU_ARGS[@]}" "$@" </dev/null >"$STATE/qemu.log" 2>&1 9>&- &  # not start's lock
+  for _ in $(seq 1 100); do [ -s "$STATE/qemu.pid" ] && [ -S "$STATE/qmp.sock" ] && break; sleep 0.1; done
+  running || { cat "$STATE/qemu.log" >&2; die "QEMU did not start (its log above)"; }
+}
+
+# Kill L1's QEMU, if one runs, and wait until it is gone.
+kill_l1() {
+  running || return 0
+  local pid
+  pid=$(cat "$STATE/qemu.pid")
+  kill -9 "$pid" 2>/dev/null || true  # nothing of a thrown-away L1 is kept
+  for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
 }
 
 boot() {
@@ -119,8 +167,9 @@ boot() {
   [ -n "$nested" ] && [ -n "$minimal" ] || die "image nested or minimal is missing after the build"
 
   rm -rf "$STATE"
-  mkdir -p "$STATE"
+  mkdir -p "$STATE/run"
   chmod 0700 "$STATE"
+  echo "$nested" > "$STATE/image"
   ssh-keygen -q -t ed25519 -N '' -C vmsandbox-nested -f "$STATE/id_ed25519"
   ssh-keygen -q -t ed25519 -N '' -C vmsandbox-nested-host -f "$STATE/host_ed25519_key"
   free_port > "$STATE/port"
@@ -128,24 +177,44 @@ boot() {
     > "$STATE/known_hosts"
   say "making L1's disks in $STATE"
   make_data_disk "$minimal"
-  qemu-img create -q -f qcow2 -F qcow2 -b "$nested/disk.qcow2" "$STATE/l1.qcow2" 8G
+  qemu-img create -q -f qcow2 -F qcow2 -b "$nested/disk.qcow2" "$STATE/run/l1.qcow2" 8G
+  qemu-img create -q -f qcow2 -F raw -b "$STATE/data.img" "$STATE/run/data.qcow2"
 
   say "booting L1 (TCG, $CPUS vCPU(s), ${MEMORY_MIB} MiB, SSH on 127.0.0.1:$(cat "$STATE/port"))"
-  setsid "$QEMU" -name vmsandbox-nested -nodefaults -machine q35 -accel tcg,thread=multi -cpu "$L1_CPU" \
-    -smp "$CPUS" -m "$MEMORY_MIB" \
-    -device intel-iommu,intremap=on,caching-mode=on \
-    -vga std "${CARDS[@]}" \
-    -kernel "$nested/vmlinuz" -initrd "$nested/initrd.img" \
-    -append "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 intel_iommu=on" \
-    -drive "file=$STATE/l1.qcow2,if=virtio,format=qcow2" \
-    -drive "file=$STATE/data.img,if=virtio,format=raw" \
-    -netdev "user,id=n0,hostfwd=tcp:127.0.0.1:$(cat "$STATE/port")-:22" \
-    -device virtio-net-pci,netdev=n0 -device virtio-rng-pci \
-    -display none -serial "file:$STATE/console.log" -pidfile "$STATE/qemu.pid" \
-    </dev/null >"$STATE/qemu.log" 2>&1 9>&- &  # QEMU must not keep start's lock
-  # in a session of its own, so it outlives this script; its errors stay in qemu.log
-  for _ in $(seq 1 100); do [ -s "$STATE/qemu.pid" ] && break; sleep 0.1; done
-  running || { cat "$STATE/qemu.log" >&2; die "QEMU did not start (its log above)"; }
+  launch
+}
+
+# The cards' PCI functions in L1 (the slots CARDS puts them in).
+CARD_BDFS="0000:00:05.0 0000:00:06.0"
+
+# Save the freshly booted L1 (no L2 guest started yet) as the pristine snapshot: its memory and
+# device state in snap/state, its disks as they are then in snap/. The emulated cards have no
+# saved state in QEMU (a restored card comes back as at power-on), so L1 lets go of them first and
+# finds them again after each restore (see `restore`). L1 then runs on from the snapshot.
+snapshot() {
+  say "saving L1 as the pristine snapshot"
+  # vmsandbox's KVM probe (a few seconds of an L2 kernel under KVM) runs here once; restored
+  # L1s find its answer cached and start KVM only for the L2 guests the tests boot.
+  ssh_l1 /opt/vmsandbox/bin/python -c "'from vmsandbox.config import Config; from vmsandbox.image.store import ImageStore; from vmsandbox.vm import virt; c = Config.load(); virt.for_sandbox(\"auto\", c, ImageStore(c.images).get(\"minimal\").kernel, print)'" >&2
+  ssh_l1 "for d in $CARD_BDFS; do echo 1 > /sys/bus/pci/devices/\$d/remove; done; sync"
+  mkdir -p "$STATE/snap"
+  "$PYTHON" setup/qmp.py "$STATE/qmp.sock" save "$STATE/snap/state"
+  kill_l1
+  mv "$STATE/run/l1.qcow2" "$STATE/run/data.qcow2" "$STATE/snap/"
+  restore
+}
+
+# Start L1 from the pristine snapshot on fresh overlays: as it was when saved, plus the host's
+# clock and the cards found again (the kernel assigns their BARs, radeon probes its card anew).
+restore() {
+  kill_l1
+  rm -f "$STATE/run/"*.qcow2
+  qemu-img create -q -f qcow2 -F qcow2 -b "$STATE/snap/l1.qcow2" "$STATE/run/l1.qcow2"
+  qemu-img create -q -f qcow2 -F qcow2 -b "$STATE/snap/data.qcow2" "$STATE/run/data.qcow2"
+  launch -incoming "exec:cat $STATE/snap/state"
+  "$PYTHON" setup/qmp.py "$STATE/qmp.sock" resume 120
+  wait_for true
+  ssh_l1 "date -s @$(date +%s) >/dev/null && echo 1 > /sys/bus/pci/rescan"
 }
 
 cmd_start() {
@@ -155,15 +224,21 @@ cmd_start() {
   local started=$SECONDS
   if running && ssh_l1 true 2>/dev/null; then
     say "reusing the running L1 (pid $(cat "$STATE/qemu.pid"))"
+  elif [ -f "$STATE/snap/state" ]; then
+    say "starting a pristine L1 from the snapshot"
+    restore
   else
-    if running; then kill "$(cat "$STATE/qemu.pid")"; fi
+    kill_l1
     boot
   fi
   wait_for true
   say "copying vmsandbox from $PWD into L1"
   sync_code
+  if [ ! -f "$STATE/snap/state" ]; then
+    wait_for vmsandbox gpus >/dev/null
+    snapshot
+  fi
   wait_for vmsandbox gpus
-  ssh_l1 vmsandbox gpus
   say "L1 ready in $((SECONDS - started)) s"
 }
 
@@ -184,21 +259,16 @@ cmd_exec() {
 }
 
 cmd_stop() {
-  if running; then
-    local pid
-    pid=$(cat "$STATE/qemu.pid")
-    say "powering L1 off (pid $pid)"
-    kill "$pid"
-    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid"; fi
-  fi
+  if running; then say "powering L1 off (pid $(cat "$STATE/qemu.pid"))"; fi
+  kill_l1
   rm -rf "$STATE" "$STATE.lock"
 }
 
 case "${1:-}" in
   start) cmd_start ;;
   exec) shift; cmd_exec "$@" ;;
+  restart) kill_l1; cmd_start ;;
+  kill) kill_l1 ;;
   stop) cmd_stop ;;
-  restart) cmd_stop; cmd_start ;;
-  *) die "usage: setup/nested.sh start | exec -- CMD... | stop | restart" ;;
+  *) die "usage: setup/nested.sh start | exec -- CMD... | restart | kill | stop" ;;
 esac

@@ -4,11 +4,14 @@
 cards (an RV100, 1002:5159, on radeon; a Rage 128 Pro, 1002:5046, on no driver); vmsandbox inside
 it creates L2 guests, with libvirt detaching the cards to vfio-pci and QEMU opening their VFIO
 groups. L1 runs KVM on its emulated SVM, so vmsandbox's probe picks KVM for L2, and the cards'
-small BARs give L2 SeaBIOS (``gpu_firmware`` "auto"; OVMF in L2 crashes the host's QEMU, README
-"The nested GPU host"). No L1 boots more than one L2 guest (``in_a_fresh_l1``): the first serves
-the inventory tests, one L2 holding both cards for the tests of a running GPU sandbox and the
-kill tests that boot none; each later L2 boot gets a fresh L1, and the last is stopped at the
-module's end. Every command below runs inside L1 through ``setup/nested.sh exec``.
+small BARs give L2 SeaBIOS (``gpu_firmware`` "auto"; OVMF in L2 crashes the host's QEMU).
+
+Each step below runs through ``tests/nested_host.py``: in an L1 that has booted no L2 guest (a
+pristine one restored from the snapshot of the first boot), watched while it runs, and again in
+another L1 when the test host fails under it. A step that boots an L2 gathers everything its
+tests look at in one go (``SandboxRun``, ``ClaimRun``); the tests then assert on what it saw, so
+a wrong answer from vmsandbox fails its test without a retry. The module spends at most
+``nested_host.BUDGET`` seconds (images built before it are not counted).
 
 The crash tests run the create through tests/crash_cli.py, which setup/nested.sh copies into L1
 with the code: at checkpoint ``<stage>`` it prints ``vmsandbox-checkpoint <stage>`` on stderr and
@@ -20,38 +23,39 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import subprocess
 import sys
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from conftest import REPO
+from nested_host import NestedHost
 
 from vmsandbox.sandbox.spec import generate_name
 
-# The first start may build both images (CI's fresh machine).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
 NESTED = REPO / "setup" / "nested.sh"
+STATE_DIR = Path(os.environ.get("VMSANDBOX_NESTED_DIR", "/var/tmp/vmsandbox-nested"))
+LOG_DIR = Path(os.environ.get("VMSANDBOX_NESTED_LOG_DIR", "/var/tmp/vmsandbox-nested-logs"))
 RV100 = ("0x1002", "0x5159")
 RAGE128P = ("0x1002", "0x5046")
-# Checkpoints after the lock is taken and after create steps (sandbox/lifecycle.py); the kill at
-# "start" hits a create that would wait for SSH next, its QEMU holding both cards; at "wait" the
-# guest has booted with both cards and the create would verify them next.
+# Checkpoints after the lock is taken and after create steps (lifecycle.py); the kill at "start"
+# hits a create that would wait for SSH next, its QEMU holding both cards; at "wait" the guest
+# has booted with both cards and the create would verify them next.
 STAGES = ("locked", "overlay", "define", "start", "wait")
 SMALL = ("--memory", "512")  # L1 has 3 GiB; L2 needs no more to boot and show its PCI tree
-# An L2 under KVM inside a TCG L1 reaches SSH in one to two minutes here; leave room for a
-# loaded CI machine, not for a crawling L1 (in_a_fresh_l1 tries another).
-BOOT = ("--timeout", "420")
-# First boot builds the images when the machine has none (CI's fresh machine), then boots L1.
-START_TIMEOUT = 3600
+BOOT = ("--timeout", "420")  # nested_host gives up on a crawling L2 long before
+CREATE_LIMIT = 600.0
 CRASH_PID = "/run/vmsbx-test-create.pid"
 CRASH_CLI = "/opt/vmsandbox/bin/python /opt/vmsandbox/src/tests/crash_cli.py"
+PCI_IDS = "for d in /sys/bus/pci/devices/*; do echo $(cat $d/vendor) $(cat $d/device); done"
+
+Done = subprocess.CompletedProcess[str]
 
 
 def nested_env() -> dict[str, str]:
@@ -59,24 +63,7 @@ def nested_env() -> dict[str, str]:
     return {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
 
 
-def inside(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` as root in L1; its exit status, stdout and stderr come back."""
-    return subprocess.run(
-        ["bash", str(NESTED), "exec", "--", *argv],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        env=nested_env(),
-        timeout=timeout,
-        check=False,
-    )
-
-
-def vmsandbox(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return inside("vmsandbox", *args, timeout=timeout)
-
-
-def json_of(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+def json_of(done: Done) -> dict[str, Any]:
     try:
         return json.loads(done.stdout)
     except ValueError as exc:
@@ -85,273 +72,275 @@ def json_of(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
         ) from exc
 
 
-def inventory() -> dict[str, Any]:
-    done = vmsandbox("gpus", "--json")
-    assert done.returncode == 0, done.stderr
-    return json_of(done)
+def ok(done: Done) -> Done:
+    assert done.returncode == 0, f"{' '.join(done.args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done
 
 
-def drivers(bdfs: list[str]) -> dict[str, str | None]:
+# -- what the steps look at in L1 --------------------------------------------------------------
+
+
+def vmsandbox(host: NestedHost, *args: str, limit: float = 300) -> Done:
+    return host.run("vmsandbox", *args, limit=limit)
+
+
+def inventory(host: NestedHost) -> dict[str, Any]:
+    return json_of(ok(vmsandbox(host, "gpus", "--json")))
+
+
+def drivers(host: NestedHost, bdfs: list[str]) -> dict[str, str | None]:
     """The driver each PCI function in L1 is bound to, read from sysfs (None: unbound)."""
     script = (
         'for d in "$@"; do echo "$d $(basename "$(readlink /sys/bus/pci/devices/$d/driver)")"; done'
     )
-    done = inside("sh", "-c", script, "sh", *bdfs)
-    assert done.returncode == 0, done.stderr
+    done = ok(host.run("sh", "-c", script, "sh", *bdfs))
     pairs = (line.split(" ", 1) for line in done.stdout.splitlines())
     return {bdf: (driver or None) for bdf, driver in pairs}
 
 
-def leftovers(name: str) -> list[str]:
+def leftovers(host: NestedHost, name: str) -> list[str]:
     """The domain and files of sandbox ``name`` still in L1."""
     found = []
-    domains = inside("virsh", "-q", "list", "--all", "--name")
-    assert domains.returncode == 0, domains.stderr
+    domains = ok(host.run("virsh", "-q", "list", "--all", "--name"))
     if f"vmsbx-{name}" in domains.stdout.split():
         found.append(f"domain vmsbx-{name}")
-    files = inside(
+    files = ok(host.run(
         "find", "/var/lib/vmsandbox", "-path", "/var/lib/vmsandbox/images", "-prune",
         "-o", "-name", f"{name}*", "-print",
-    )  # fmt: skip
-    assert files.returncode == 0, files.stderr
+    ))  # fmt: skip
     return found + files.stdout.split()
 
 
-def boot_host(command: str) -> None:
-    """``setup/nested.sh start`` (a running L1 is reused) or ``restart`` (a fresh L1)."""
-    started = subprocess.run(
-        ["bash", str(NESTED), command],
-        capture_output=True,
-        text=True,
-        env=nested_env(),
-        timeout=START_TIMEOUT,
-        check=False,
-    )
-    assert started.returncode == 0, f"nested host did not {command}:\n{started.stderr[-4000:]}"
+def seen_ids(host: NestedHost, name: str) -> list[tuple[str, ...]]:
+    """The PCI vendor and device ids the guest of sandbox ``name`` sees."""
+    seen = ok(vmsandbox(host, "exec", name, "--", "sh", "-c", PCI_IDS))
+    return [tuple(line.split()) for line in seen.stdout.splitlines()]
 
 
-L1_CONSOLE = (
-    Path(os.environ.get("VMSANDBOX_NESTED_DIR", "/var/tmp/vmsandbox-nested")) / "console.log"
-)
-T = TypeVar("T")
-L1_TRIES = 3  # L1s a step that boots an L2 may use; about 1 L1 in 6 died in the runs here
-
-
-class L1:
-    """Whether the running L1 has booted an L2 guest yet (see ``in_a_fresh_l1``)."""
-
-    booted_an_l2 = False
-
-
-def l1_lost() -> bool:
-    """Whether L1 died: its kernel panicked, or it no longer answers over SSH."""
-    if L1_CONSOLE.exists() and b"Kernel panic" in L1_CONSOLE.read_bytes():
-        return True
-    try:
-        return inside("true", timeout=120).returncode != 0
-    except subprocess.TimeoutExpired:
-        return True
-
-
-def in_a_fresh_l1(step: Callable[[], T]) -> T:
-    """Run ``step``, which boots an L2 guest, in an L1 that has booted none yet (a fresh one
-    unless the running one is unused); when L1 dies during it or its L2 never reaches SSH, run
-    it again in another, up to ``L1_TRIES`` L1s (a guest that never boots fails every try).
-    KVM inside a TCG guest is unreliable: an L2 boot can crawl (CI: the fifth
-    L2 of one L1 still in its initramfs after 300 s; here a second L2 took 240 s to its first
-    boot), and L1's kernel can panic (a vCPU thread's stack overflowed in its exception entry)
-    or stop answering while it starts a KVM guest (README, "The nested GPU host"). Both were
-    frequent with ``-cpu max`` and are not gone with the EPYC L1 now. They are the test
-    host's faults, not vmsandbox's; a fresh L1 costs 15-50 s."""
-    for tries_left in range(L1_TRIES - 1, -1, -1):
-        if L1.booted_an_l2:
-            boot_host("restart")
-        L1.booted_an_l2 = True
-        try:
-            return step()
-        except AssertionError as failure:
-            crawled = "DEADLINE_EXCEEDED" in str(failure)  # an L2 that never reached SSH
-            if not tries_left or not (crawled or l1_lost()):
-                raise
-            warnings.warn(
-                f"L1 {'crawled' if crawled else 'died'} (KVM inside TCG); the step ran again in a"
-                " fresh L1",
-                stacklevel=2,
-            )
-    raise AssertionError("unreachable: the last try returns or raises")
+# -- the host of the module, and its inventory before any sandbox -------------------------------
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator[dict[str, Any]]:
-    """The running nested host, and its GPU inventory before any sandbox."""
+def host() -> Iterator[NestedHost]:
+    """The module's nested host; the images are built (when needed) before its budget starts."""
+    for image in ("minimal", "nested"):
+        subprocess.run(
+            [sys.executable, "-m", "vmsandbox.cli", "images", "build", image],
+            env=nested_env(),
+            check=True,
+            timeout=3600,
+        )
+    nested = NestedHost(NESTED, nested_env(), STATE_DIR, LOG_DIR)
     try:
-        boot_host("start")
-        yield inventory()
+        yield nested
     finally:
-        subprocess.run(["bash", str(NESTED), "stop"], env=nested_env(), timeout=120, check=True)
+        summary = nested.summary()
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        (LOG_DIR / "summary.txt").write_text(summary + "\n")
+        if any(life.lost for life in nested.lives):
+            warnings.warn(f"the test host lost L1s (steps ran again):\n{summary}", stacklevel=1)
+        nested.stop()
+
+
+@dataclass
+class Before:
+    """The inventory and the cards' drivers in a pristine L1."""
+
+    inventory: dict[str, Any]
+    cards: dict[str, str | None]
 
 
 @pytest.fixture(scope="module")
-def cards(host: dict[str, Any]) -> dict[str, str | None]:
+def before(host: NestedHost) -> Before:
+    def look() -> Before:
+        found = inventory(host)
+        return Before(found, drivers(host, [gpu["bdf"] for gpu in found["gpus"]]))
+
+    return host.attempt("inventory", look, spoils_l1=False)
+
+
+@pytest.fixture(scope="module")
+def cards(before: Before) -> dict[str, str | None]:
     """BDF of each emulated card -> the driver it had before any sandbox took it."""
-    return drivers([gpu["bdf"] for gpu in host["gpus"]])
+    return before.cards
 
 
-def test_start_again_reuses_the_running_host(host: dict[str, Any]) -> None:
-    again = subprocess.run(
-        ["bash", str(NESTED), "start"],
-        capture_output=True,
-        text=True,
-        env=nested_env(),
-        timeout=900,
-        check=False,
-    )
+def test_start_again_reuses_the_running_host(host: NestedHost, before: Before) -> None:
+    def start_again() -> Done:
+        return subprocess.run(
+            ["bash", str(NESTED), "start"],
+            capture_output=True,
+            text=True,
+            env=nested_env(),
+            timeout=300,
+            check=False,
+        )
+
+    again = host.attempt("start again", start_again, spoils_l1=False)
     assert again.returncode == 0, again.stderr
     assert "reusing the running L1" in again.stderr
 
 
-def test_exec_passes_output_and_exit_status(host: dict[str, Any]) -> None:
-    done = inside("sh", "-c", "echo out; echo err >&2; exit 7")
+def test_exec_passes_output_and_exit_status(host: NestedHost, before: Before) -> None:
+    done = host.attempt(
+        "exec", lambda: host.run("sh", "-c", "echo out; echo err >&2; exit 7"), spoils_l1=False
+    )
     assert (done.returncode, done.stdout, done.stderr) == (7, "out\n", "err\n")
 
 
-def test_two_amd_gpus_bindable_with_the_iommu_on(
-    host: dict[str, Any], cards: dict[str, str | None]
-) -> None:
-    assert host["host"]["iommu"] is True
-    gpus = host["gpus"]
+def test_two_amd_gpus_bindable_with_the_iommu_on(before: Before) -> None:
+    assert before.inventory["host"]["iommu"] is True
+    gpus = before.inventory["gpus"]
     assert sorted((g["vendor_id"], g["device_id"]) for g in gpus) == sorted([RV100, RAGE128P])
     for gpu in gpus:
         assert (gpu["vendor"], gpu["bindable"], gpu["reasons"]) == ("amd", True, [])
         assert gpu["iommu_group"] is not None and gpu["group_members"] == []
         assert gpu["in_use_by"] is None
     by_ids = {(g["vendor_id"], g["device_id"]): g["bdf"] for g in gpus}
-    assert cards[by_ids[RV100]] == "radeon"
+    assert before.cards[by_ids[RV100]] == "radeon"
+
+
+# -- a sandbox holding both cards ---------------------------------------------------------------
+
+
+@dataclass
+class SandboxRun:
+    """What one L1 showed of a sandbox with both cards, from create to destroy."""
+
+    name: str
+    create: Done
+    ids: list[tuple[str, ...]] = field(default_factory=list)
+    xml: str = ""
+    verify: Done | None = None
+    drivers_during: dict[str, str | None] = field(default_factory=dict)
+    inventory_during: dict[str, Any] = field(default_factory=dict)
+    third: Done | None = None
+    third_leftovers: list[str] = field(default_factory=list)
+    destroy: Done | None = None
+    drivers_after: dict[str, str | None] = field(default_factory=dict)
+    leftovers_after: list[str] = field(default_factory=list)
+    inventory_after: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sandbox(self) -> dict[str, Any]:
+        return json_of(ok(self.create))
+
+
+def sandbox_with_both_cards(host: NestedHost, cards: list[str]) -> SandboxRun:
+    name = generate_name("t")
+    create = "--json", "create", name, "--gpu", "2", *SMALL, *BOOT
+    run = SandboxRun(name, vmsandbox(host, *create, limit=CREATE_LIMIT))
+    if run.create.returncode == 0:
+        run.ids = seen_ids(host, name)
+        run.xml = ok(host.run("virsh", "dumpxml", f"vmsbx-{name}")).stdout
+        run.verify = vmsandbox(host, "--json", "verify", name)
+        run.drivers_during = drivers(host, cards)
+        run.inventory_during = inventory(host)
+        third = generate_name("t")
+        run.third = vmsandbox(host, "--json", "create", third, "--gpu", "1", *SMALL)
+        run.third_leftovers = leftovers(host, third)
+    run.destroy = vmsandbox(host, "destroy", name)
+    run.drivers_after = drivers(host, cards)
+    run.leftovers_after = leftovers(host, name)
+    run.inventory_after = inventory(host)
+    return run
 
 
 @pytest.fixture(scope="module")
-def sandbox(host: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """A sandbox holding both cards (destroyed by the destroy test, or here)."""
-    name = generate_name("t")
-
-    def create() -> dict[str, Any]:
-        done = vmsandbox("--json", "create", name, "--gpu", "2", *SMALL, *BOOT, timeout=1200)
-        assert done.returncode == 0, f"create failed:\n{done.stdout}\n{done.stderr}"
-        return json_of(done)
-
-    try:
-        yield in_a_fresh_l1(create)
-    finally:
-        vmsandbox("destroy", name)
+def both(host: NestedHost, cards: dict[str, str | None]) -> SandboxRun:
+    return host.attempt("sandbox with both cards", lambda: sandbox_with_both_cards(host, [*cards]))
 
 
-def test_create_two_gpus_the_guest_sees_both(sandbox: dict[str, Any]) -> None:
-    assert sandbox["virt_type"] == "kvm"  # probed as on any host: L1 has a working /dev/kvm
-    ids = "for d in /sys/bus/pci/devices/*; do echo $(cat $d/vendor) $(cat $d/device); done"
-    seen = vmsandbox("exec", sandbox["name"], "--", "sh", "-c", ids)
-    assert seen.returncode == 0, seen.stderr
-    pairs = [tuple(line.split()) for line in seen.stdout.splitlines()]
-    assert pairs.count(RV100) == 1 and pairs.count(RAGE128P) == 1
+def test_create_two_gpus_the_guest_sees_both(both: SandboxRun) -> None:
+    assert both.sandbox["virt_type"] == "kvm"  # probed as on any host: L1 has a working /dev/kvm
+    assert both.ids.count(RV100) == 1 and both.ids.count(RAGE128P) == 1
 
 
-def test_small_bar_gpus_boot_with_seabios_and_no_option_rom(sandbox: dict[str, Any]) -> None:
-    xml = inside("virsh", "dumpxml", f"vmsbx-{sandbox['name']}")
-    assert xml.returncode == 0, xml.stderr
-    assert "<loader" not in xml.stdout and "<nvram" not in xml.stdout
-    assert xml.stdout.count("<rom bar='off'/>") == 2
+def test_small_bar_gpus_boot_with_seabios_and_no_option_rom(both: SandboxRun) -> None:
+    assert both.sandbox and both.xml
+    assert "<loader" not in both.xml and "<nvram" not in both.xml
+    assert both.xml.count("<rom bar='off'/>") == 2
 
 
-def test_in_guest_verification_checks_the_pci_ids(sandbox: dict[str, Any]) -> None:
-    report = sandbox["verification"]
+def test_in_guest_verification_checks_the_pci_ids(both: SandboxRun) -> None:
+    report = both.sandbox["verification"]
     assert report["ok"] is True
     checks = {check["name"]: check["status"] for check in report["checks"]}
     assert checks["pci"] == "passed"
-    again = vmsandbox("--json", "verify", sandbox["name"])
-    assert again.returncode == 0, again.stderr
-    assert json_of(again)["ok"] is True
+    assert both.verify is not None and json_of(ok(both.verify))["ok"] is True
 
 
-def test_cards_are_on_vfio_and_in_use_while_the_sandbox_runs(
-    sandbox: dict[str, Any], cards: dict[str, str | None]
-) -> None:
-    assert set(drivers(list(cards)).values()) == {"vfio-pci"}
-    for gpu in inventory()["gpus"]:
-        assert gpu["in_use_by"] == f"vmsbx-{sandbox['name']}"
+def test_cards_are_on_vfio_and_in_use_while_the_sandbox_runs(both: SandboxRun) -> None:
+    assert both.sandbox
+    assert set(both.drivers_during.values()) == {"vfio-pci"}
+    for gpu in both.inventory_during["gpus"]:
+        assert gpu["in_use_by"] == f"vmsbx-{both.name}"
 
 
-def test_a_third_gpu_is_resource_exhausted(sandbox: dict[str, Any]) -> None:
-    name = generate_name("t")
-    done = vmsandbox("--json", "create", name, "--gpu", "1", *SMALL)
-    assert done.returncode == 6, done.stdout + done.stderr
-    assert json_of(done)["error"]["code"] == "RESOURCE_EXHAUSTED"
-    assert leftovers(name) == []
+def test_a_third_gpu_is_resource_exhausted(both: SandboxRun) -> None:
+    assert both.sandbox and both.third is not None
+    assert both.third.returncode == 6, both.third.stdout + both.third.stderr
+    assert json_of(both.third)["error"]["code"] == "RESOURCE_EXHAUSTED"
+    assert both.third_leftovers == []
 
 
 def test_destroy_gives_each_card_back_to_its_driver(
-    sandbox: dict[str, Any], cards: dict[str, str | None]
+    both: SandboxRun, cards: dict[str, str | None]
 ) -> None:
-    done = vmsandbox("destroy", sandbox["name"])
-    assert done.returncode == 0, done.stderr
-    assert drivers(list(cards)) == cards
-    assert leftovers(sandbox["name"]) == []
-    assert all(gpu["bindable"] and gpu["in_use_by"] is None for gpu in inventory()["gpus"])
+    assert both.destroy is not None
+    ok(both.destroy)
+    assert both.drivers_after == cards
+    assert both.leftovers_after == []
+    gpus = both.inventory_after["gpus"]
+    assert all(gpu["bindable"] and gpu["in_use_by"] is None for gpu in gpus)
 
 
-def wait_for_checkpoint(proc: subprocess.Popen[bytes], stage: str, timeout: float) -> None:
-    """Read the create's stderr until it reaches ``stage``; fail with what it said otherwise."""
-    assert proc.stderr is not None
-    marker, seen = f"vmsandbox-checkpoint {stage}".encode(), b""
-    deadline = time.monotonic() + timeout
-    while marker not in seen:
-        left = deadline - time.monotonic()
-        assert left > 0, f"no checkpoint {stage} within {timeout}s:\n{seen.decode()}"
-        ready, _, _ = select.select([proc.stderr], [], [], left)
-        chunk = os.read(proc.stderr.fileno(), 65536) if ready else b""
-        if ready and not chunk:
-            raise AssertionError(f"create exited ({proc.wait()}) before {stage}:\n{seen.decode()}")
-        seen += chunk
+# -- a create killed at each stage, then reconcile ----------------------------------------------
+
+
+@dataclass
+class KillRun:
+    """What one L1 showed of a create killed at a checkpoint, then ``vmsandbox reconcile``."""
+
+    drivers_killed: dict[str, str | None]
+    reconcile: Done
+    leftovers: list[str]
+    drivers_after: dict[str, str | None]
+
+
+def kill_at(host: NestedHost, checkpoint: str, create: str, cards: list[str]) -> KillRun:
+    """Run ``create`` (a tests/crash_cli.py command line) in L1 until ``checkpoint``, kill it
+    with SIGKILL there, then reconcile."""
+    name = create.split(" create ", 1)[1].split()[0]
+    running = host.start("sh", "-c", f"echo $$ > {CRASH_PID}; exec {create}", limit=CREATE_LIMIT)
+    try:
+        running.wait_for_text(f"vmsandbox-checkpoint {checkpoint}")
+        ok(host.run("sh", "-c", f'kill -9 "$(cat {CRASH_PID})" && rm {CRASH_PID}'))
+        running.wait()
+    finally:
+        running.kill()
+    killed = drivers(host, cards)
+    reconcile = vmsandbox(host, "--json", "reconcile")
+    return KillRun(killed, reconcile, leftovers(host, name), drivers(host, cards))
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_kill_at_each_create_stage_then_reconcile_restores_everything(
-    stage: str, cards: dict[str, str | None]
+    host: NestedHost, stage: str, cards: dict[str, str | None]
 ) -> None:
-    if stage in ("start", "wait"):  # the killed create's guest boots
-        in_a_fresh_l1(lambda: kill_at_stage_then_reconcile(stage, cards))
-    else:
-        kill_at_stage_then_reconcile(stage, cards)
-
-
-def kill_at_stage_then_reconcile(stage: str, cards: dict[str, str | None]) -> None:
-    name = generate_name("t")
-    create = (
-        f"echo $$ > {CRASH_PID}; "
-        f"exec {CRASH_CLI} {stage} create {name} --gpu 2 {' '.join((*SMALL, *BOOT))}"
+    create = f"{CRASH_CLI} {stage} create {generate_name('t')} --gpu 2 {' '.join((*SMALL, *BOOT))}"
+    run = host.attempt(
+        f"kill at {stage}",
+        lambda: kill_at(host, stage, create, [*cards]),
+        spoils_l1=stage in ("start", "wait"),
     )
-    proc = subprocess.Popen(
-        ["bash", str(NESTED), "exec", "--", "sh", "-c", create],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=nested_env(),
-    )
-    try:
-        wait_for_checkpoint(proc, stage, timeout=900)
-        killed = inside("sh", "-c", f'kill -9 "$(cat {CRASH_PID})" && rm {CRASH_PID}')
-        assert killed.returncode == 0, killed.stderr
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     if stage in ("start", "wait"):
-        assert set(drivers(list(cards)).values()) == {"vfio-pci"}  # the killed guest holds them
-    done = vmsandbox("--json", "reconcile")
-    assert done.returncode == 0, done.stderr
-    report = json_of(done)
+        assert set(run.drivers_killed.values()) == {"vfio-pci"}  # the killed guest holds them
+    report = json_of(ok(run.reconcile))
     assert report["problems"] == []
-    assert leftovers(name) == []
-    assert drivers(list(cards)) == cards
+    assert run.leftovers == []
+    assert run.drivers_after == cards
+    assert run.drivers_after == cards
 
 
 # -- GPU-ready pooled guests: GPUs attached live to a booted L2 (gpu/hotplug.py, gpuclaim.py) ---
@@ -361,138 +350,130 @@ POOL_CONFIG = "/etc/vmsandbox/config.toml"  # the nested image's; names its imag
 POOL_TOML = '[pool.gpu]\nimage = "minimal"\nmemory_mib = 512\ncount = 1\ngpus = 2\n'
 
 
-def pool_guests() -> list[dict[str, str]]:
-    done = vmsandbox("--json", "pool")
-    assert done.returncode == 0, done.stderr
-    (shape,) = json_of(done)["pool"]
+def pool_guests(host: NestedHost) -> list[dict[str, str]]:
+    (shape,) = json_of(ok(vmsandbox(host, "--json", "pool")))["pool"]
     return list(shape["guests"])
 
 
-def pooled_guest() -> str:
-    """A fresh L1 whose config (the nested image's, naming its image store) has the GPU-ready
-    shape added, its pool filled: that one guest's name."""
-    return in_a_fresh_l1(fill_pool)
-
-
-def fill_pool() -> str:
-    """Add the GPU-ready shape to L1's config (once), fill the pool: its one guest's name."""
-    original = inside("cat", POOL_CONFIG)
-    assert original.returncode == 0, original.stderr
-    if POOL_TOML not in original.stdout:
-        write_config(f"{original.stdout}\n{POOL_TOML}")
-    done = vmsandbox("pool", "fill", timeout=1200)
-    assert done.returncode == 0, done.stderr
-    (guest,) = pool_guests()
+def fill_pool(host: NestedHost) -> str:
+    """Add the GPU-ready shape to L1's config, fill the pool: its one guest's name."""
+    config = ok(host.run("cat", POOL_CONFIG)).stdout
+    if POOL_TOML not in config:
+        ok(host.run("sh", "-c", f"cat > {POOL_CONFIG}", stdin=f"{config}\n{POOL_TOML}"))
+    ok(vmsandbox(host, "pool", "fill", limit=CREATE_LIMIT))
+    (guest,) = pool_guests(host)
     assert guest["state"] == "pooled"
     return guest["name"]
 
 
-def write_config(text: str) -> None:
-    written = subprocess.run(
-        ["bash", str(NESTED), "exec", "--", "sh", "-c", f"cat > {POOL_CONFIG}"],
-        input=text,
-        capture_output=True,
-        text=True,
-        env=nested_env(),
-        timeout=60,
-        check=False,
-    )
-    assert written.returncode == 0, written.stderr
+@dataclass
+class ClaimRun:
+    """What one L1 showed of a GPU-ready pooled guest and a claim of ``count`` GPUs from it."""
+
+    guest: str
+    xml: str = ""
+    too_large: Done | None = None
+    too_large_leftovers: list[str] = field(default_factory=list)
+    pool_after_refusal: list[dict[str, str]] = field(default_factory=list)
+    claim: Done | None = None
+    ids: list[tuple[str, ...]] = field(default_factory=list)
+    drivers_held: dict[str, str | None] = field(default_factory=dict)
+    destroy: Done | None = None
+    drivers_after: dict[str, str | None] = field(default_factory=dict)
+    leftovers_after: list[str] = field(default_factory=list)
+
+    @property
+    def sandbox(self) -> dict[str, Any]:
+        assert self.claim is not None
+        return json_of(ok(self.claim))
+
+
+def claim_from_the_pool(host: NestedHost, count: int, cards: list[str]) -> ClaimRun:
+    """Fill the pool, look at the pooled guest (with ``count`` 1 also refuse a claim larger
+    than its spare ports), claim ``count`` GPUs, look inside, destroy."""
+    run = ClaimRun(fill_pool(host))
+    if count == 1:
+        run.xml = ok(host.run("virsh", "dumpxml", f"vmsbx-{run.guest}")).stdout
+        large = generate_name("t")
+        run.too_large = vmsandbox(host, "--json", "create", large, "--gpu", "3", *SMALL)
+        run.too_large_leftovers = leftovers(host, large)
+        run.pool_after_refusal = pool_guests(host)
+    name = generate_name("t")
+    claim = "--json", "create", name, "--gpu", str(count), *SMALL, "--no-refill"
+    run.claim = vmsandbox(host, *claim, limit=CREATE_LIMIT)
+    if run.claim.returncode == 0:
+        run.ids = seen_ids(host, name)
+        run.drivers_held = drivers(host, [g["bdf"] for g in run.sandbox["gpus"]])
+    run.destroy = vmsandbox(host, "destroy", name)
+    run.drivers_after = drivers(host, cards)
+    run.leftovers_after = leftovers(host, name) + leftovers(host, run.guest)
+    return run
 
 
 @pytest.fixture(scope="module")
-def gpu_pool(host: dict[str, Any]) -> str:
-    """The GPU-ready pooled guest of the first pool tests (in an L1 of their own)."""
-    return pooled_guest()
+def claims(host: NestedHost, cards: dict[str, str | None]) -> dict[int, ClaimRun]:
+    """A claim of one GPU and one of two, each from a pooled guest in an L1 of its own."""
+    return {
+        count: host.attempt(
+            f"pool claim of {count}", lambda count=count: claim_from_the_pool(host, count, [*cards])
+        )
+        for count in (1, 2)
+    }
 
 
-def seen_ids(name: str) -> list[tuple[str, ...]]:
-    ids = "for d in /sys/bus/pci/devices/*; do echo $(cat $d/vendor) $(cat $d/device); done"
-    seen = vmsandbox("exec", name, "--", "sh", "-c", ids)
-    assert seen.returncode == 0, seen.stderr
-    return [tuple(line.split()) for line in seen.stdout.splitlines()]
-
-
-def test_a_gpu_ready_pooled_guest_boots_with_empty_spare_ports(gpu_pool: str) -> None:
-    xml = inside("virsh", "dumpxml", f"vmsbx-{gpu_pool}")
-    assert xml.returncode == 0, xml.stderr
-    assert "<alias name='ua-hp1'/>" in xml.stdout and "<alias name='ua-hp2'/>" in xml.stdout
-    assert "<hostdev" not in xml.stdout
+def test_a_gpu_ready_pooled_guest_boots_with_empty_spare_ports(claims: dict[int, ClaimRun]) -> None:
+    xml = claims[1].xml
+    assert "<alias name='ua-hp1'/>" in xml and "<alias name='ua-hp2'/>" in xml
+    assert "<hostdev" not in xml
     # ati-vga: a 16 MiB 32-bit framebuffer and 16 KiB of registers, no 64-bit BAR
-    assert "name='mem-reserve' type='unsigned' value='33554432'" in xml.stdout
-    assert "pref64-reserve" not in xml.stdout
+    assert "name='mem-reserve' type='unsigned' value='33554432'" in xml
+    assert "pref64-reserve" not in xml
 
 
-def test_a_request_larger_than_the_spare_ports_is_not_claimed(gpu_pool: str) -> None:
+def test_a_request_larger_than_the_spare_ports_is_not_claimed(claims: dict[int, ClaimRun]) -> None:
     """Three GPUs: more than the shape's spare ports (and than L1 has): the create goes the
     cold way, which refuses it, and the pooled guest stays in the pool untouched."""
-    name = generate_name("t")
-    done = vmsandbox("--json", "create", name, "--gpu", "3", *SMALL)
-    assert done.returncode != 0
-    assert json_of(done)["error"]["code"] == "FAILED_PRECONDITION"
-    assert pool_guests() == [{"name": gpu_pool, "state": "pooled"}]
-    assert leftovers(name) == []
+    run = claims[1]
+    assert run.too_large is not None and run.too_large.returncode != 0
+    assert json_of(run.too_large)["error"]["code"] == "FAILED_PRECONDITION"
+    assert run.pool_after_refusal == [{"name": run.guest, "state": "pooled"}]
+    assert run.too_large_leftovers == []
 
 
 @pytest.mark.parametrize("count", [1, 2])
 def test_a_pooled_claim_attaches_the_gpus_live(
-    gpu_pool: str, cards: dict[str, str | None], count: int
+    claims: dict[int, ClaimRun], cards: dict[str, str | None], count: int
 ) -> None:
-    guest = gpu_pool if count == 1 else pooled_guest()
-    name = generate_name("t")
-    done = vmsandbox("--json", "create", name, "--gpu", str(count), *SMALL, "--no-refill")
-    try:
-        assert done.returncode == 0, f"claim failed:\n{done.stdout}\n{done.stderr}"
-        sandbox = json_of(done)
-        assert sandbox["domain"] == f"vmsbx-{guest}" and sandbox["state"] == "ready"
-        assert len(sandbox["gpus"]) == count
-        assert sandbox["verification"]["ok"] is True
-        pairs = seen_ids(name)
-        wanted = [(g["vendor_id"], g["device_id"]) for g in sandbox["gpus"]]
-        assert all(pairs.count(ids) == 1 for ids in wanted)
-        held = [g["bdf"] for g in sandbox["gpus"]]
-        assert set(drivers(held).values()) == {"vfio-pci"}
-    finally:
-        destroyed = vmsandbox("destroy", name)
-    assert destroyed.returncode == 0, destroyed.stderr
-    assert drivers(list(cards)) == cards
-    assert leftovers(name) == [] and leftovers(guest) == []
+    run = claims[count]
+    sandbox = run.sandbox
+    assert sandbox["domain"] == f"vmsbx-{run.guest}" and sandbox["state"] == "ready"
+    assert len(sandbox["gpus"]) == count
+    assert sandbox["verification"]["ok"] is True
+    wanted = [(g["vendor_id"], g["device_id"]) for g in sandbox["gpus"]]
+    assert all(run.ids.count(ids) == 1 for ids in wanted)
+    assert set(run.drivers_held.values()) == {"vfio-pci"}
+    assert run.destroy is not None
+    ok(run.destroy)
+    assert run.drivers_after == cards
+    assert run.leftovers_after == []
 
 
 def test_kill_mid_attach_then_reconcile_gives_the_cards_back(
-    cards: dict[str, str | None],
+    host: NestedHost, cards: dict[str, str | None]
 ) -> None:
-    guest = pooled_guest()
-    name = generate_name("t")
-    create = (
-        f"echo $$ > {CRASH_PID}; "
-        f"exec {CRASH_CLI} attach create {name} --gpu 2 {' '.join(SMALL)} --no-refill"
-    )
-    proc = subprocess.Popen(
-        ["bash", str(NESTED), "exec", "--", "sh", "-c", create],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=nested_env(),
-    )
-    try:
-        wait_for_checkpoint(proc, "attach", timeout=300)
-        killed = inside("sh", "-c", f'kill -9 "$(cat {CRASH_PID})" && rm {CRASH_PID}')
-        assert killed.returncode == 0, killed.stderr
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert set(drivers(list(cards)).values()) == {
-        "vfio-pci"
-    }  # attached to the killed claim's guest
-    done = vmsandbox("--json", "reconcile")
-    assert done.returncode == 0, done.stderr
-    report = json_of(done)
+    def kill_mid_attach() -> tuple[str, KillRun, list[str]]:
+        guest = fill_pool(host)
+        name = generate_name("t")
+        create = f"{CRASH_CLI} attach create {name} --gpu 2 {' '.join(SMALL)} --no-refill"
+        return name, kill_at(host, "attach", create, [*cards]), leftovers(host, guest)
+
+    name, run, guest_leftovers = host.attempt("kill mid attach", kill_mid_attach)
+    assert set(run.drivers_killed.values()) == {"vfio-pci"}  # attached to the killed claim's guest
+    report = json_of(ok(run.reconcile))
     assert report["problems"] == [] and report["removed"] == [name]
-    assert leftovers(name) == [] and leftovers(guest) == []
-    assert drivers(list(cards)) == cards
+    assert run.leftovers == [] and guest_leftovers == []
+    assert run.drivers_after == cards
+    assert run.drivers_after == cards
 
 
 # -- last: after the holder exits, L1's radeon driver cannot be trusted with the card --------
@@ -502,24 +483,46 @@ def test_kill_mid_attach_then_reconcile_gives_the_cards_back(
 # vmsandbox, are at fault; the module stops L1 right after this test.
 
 
-def test_card_held_by_a_host_process_is_not_bindable(cards: dict[str, str | None]) -> None:
-    [held] = [bdf for bdf, driver in cards.items() if driver == "radeon"]
-    node = inside("sh", "-c", f"ls /sys/bus/pci/devices/{held}/drm | grep ^card")
-    assert node.returncode == 0, node.stderr
+@dataclass
+class HeldRun:
+    """What L1 showed while a host process held the radeon card open, and after."""
+
+    pid: str
+    gpu: dict[str, Any]
+    create: Done
+    leftovers: list[str]
+    drivers_after: dict[str, str | None]
+
+
+def create_while_a_host_process_holds_the_card(
+    host: NestedHost, held: str, cards: list[str]
+) -> HeldRun:
+    node = ok(host.run("sh", "-c", f"ls /sys/bus/pci/devices/{held}/drm | grep ^card"))
     hold = f"sleep 600 </dev/dri/{node.stdout.strip()} >/dev/null 2>&1 & echo $!"
-    pid = inside("sh", "-c", hold).stdout.strip()
+    pid = ok(host.run("sh", "-c", hold)).stdout.strip()
     try:
-        gpus = {gpu["bdf"]: gpu for gpu in inventory()["gpus"]}
-        assert gpus[held]["bindable"] is False
-        assert gpus[held]["reasons"] == [f"host processes hold it open: pid {pid} (sleep)"]
+        gpus = {gpu["bdf"]: gpu for gpu in inventory(host)["gpus"]}
         name = generate_name("t")
-        done = vmsandbox("--json", "create", name, "--gpu-device", held, *SMALL)
-        assert done.returncode == 5, done.stdout + done.stderr
-        error = json_of(done)["error"]
-        assert error["code"] == "FAILED_PRECONDITION"
-        assert f"pid {pid} (sleep)" in error["message"]
-        assert leftovers(name) == []
+        create = vmsandbox(host, "--json", "create", name, "--gpu-device", held, *SMALL)
+        found = leftovers(host, name)
     finally:
         with contextlib.suppress(subprocess.SubprocessError):
-            inside("kill", pid)
-    assert drivers(list(cards)) == cards
+            host.run("kill", pid)
+    return HeldRun(pid, gpus[held], create, found, drivers(host, cards))
+
+
+def test_card_held_by_a_host_process_is_not_bindable(
+    host: NestedHost, cards: dict[str, str | None]
+) -> None:
+    [held] = [bdf for bdf, driver in cards.items() if driver == "radeon"]
+    run = host.attempt(
+        "card held", lambda: create_while_a_host_process_holds_the_card(host, held), spoils_l1=False
+    )
+    assert run.gpu["bindable"] is False
+    assert run.gpu["reasons"] == [f"host processes hold it open: pid {run.pid} (sleep)"]
+    assert run.create.returncode == 5, run.create.stdout + run.create.stderr
+    error = json_of(run.create)["error"]
+    assert error["code"] == "FAILED_PRECONDITION"
+    assert f"pid {run.pid} (sleep)" in error["message"]
+    assert run.leftovers == []
+    assert run.drivers_after == cards

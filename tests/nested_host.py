@@ -1,0 +1,371 @@
+"""The nested GPU host as the tests drive it: L1 started and restored, watched while it works.
+
+KVM inside a TCG guest is the nested host's weak point: now and then an L1 panics while an L2
+guest starts (a vCPU thread's stack overflows in the exception entry), stops making progress
+(watchdog timeouts, processes stuck past SIGKILL), or its L2 crawls. Those are faults of the test
+host, not of vmsandbox, and none of them may cost the run more than about a minute. So every
+command a test runs in L1 goes through ``NestedHost.run`` (or ``start``), which watches L1 while
+the command runs:
+
+- L1's console: a line of ``SICK_CONSOLE`` (panic, soft lockup, RCU stall, hung task, a unit's
+  watchdog) means L1 is sick;
+- a heartbeat: a trivial command over SSH every ``HEARTBEAT_EVERY`` seconds; no answer for
+  ``HEARTBEAT_LOST`` seconds means L1 hangs;
+- L1's QEMU still running;
+- an L2 boot: vmsandbox's own progress lines ("waiting for SSH (Ns, guest: STAGE)") with one
+  stage for ``L2_STALL`` seconds, or no SSH after ``L2_CRAWL``, mean the L2 crawls (a healthy
+  one moves on every few seconds and answers SSH in about a minute here);
+- the command's own limit, and the module's time budget.
+
+A sick L1 is killed at once and ``L1Lost`` raised; ``NestedHost.attempt`` runs a step again in
+a pristine L1 (restored from the snapshot setup/nested.sh saved at the first boot, about 20 s),
+up to ``L1_TRIES`` times. A failure from a healthy L1 (vmsandbox answering wrong) is never
+retried. The whole module has ``BUDGET`` seconds; past it, or when no try is left, the run fails
+with a summary of every L1 started and why each was lost.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# A fault of L1's kernel or of its userspace stalling under it: never seen in a healthy L1.
+SICK_CONSOLE = re.compile(
+    rb"Kernel panic|stack guard page was hit|soft lockup|hard LOCKUP|rcu_\w+ self-detected stall"
+    rb"|rcu: INFO: rcu_\w+ detected stalls|blocked for more than \d+ seconds|Watchdog timeout"
+)
+HEARTBEAT_EVERY = 5.0  # seconds between two heartbeats
+HEARTBEAT_TIMEOUT = 15.0  # one heartbeat's own limit (a loaded machine answers in 1-3 s)
+HEARTBEAT_LOST = 45.0  # no heartbeat answered for this long: L1 hangs
+L2_STALL = 120.0  # an L2 whose boot stage has not moved for this long crawls (healthy: < 20 s)
+L2_CRAWL = 360.0  # and one still without SSH after this long (healthy: 45-70 s here)
+L1_TRIES = 3  # L1s one step may use
+BUDGET = float(os.environ.get("VMSANDBOX_NESTED_BUDGET", 15 * 60))  # the module's, retries included
+POLL = 0.5
+# vmsandbox's progress line while it waits for a guest: seconds waited and the guest's stage
+WAITING = re.compile(rb"waiting for SSH \((\d+)s, guest: ([^)]*)\)")
+
+
+class L1Lost(Exception):
+    """L1 failed under a step (the test host's fault): the step may run again in a fresh L1."""
+
+
+class BudgetExhausted(Exception):
+    """The module's time budget is spent."""
+
+
+@dataclass
+class L1Life:
+    """One L1: how it started, what ran in it, how it ended."""
+
+    number: int
+    how: str  # "cold boot" or "restored"
+    start_s: float
+    steps: list[str] = field(default_factory=list)
+    lost: str | None = None
+
+    def describe(self) -> str:
+        steps = ", ".join(self.steps) or "no step"
+        end = f"LOST: {self.lost}" if self.lost else "healthy"
+        return f"L1 #{self.number} ({self.how}, ready in {self.start_s:.0f} s; {steps}): {end}"
+
+
+class Heartbeat(threading.Thread):
+    """Runs a trivial command in L1 every few seconds; remembers when one last succeeded."""
+
+    def __init__(self, host: NestedHost) -> None:
+        super().__init__(daemon=True, name="l1-heartbeat")
+        self.host = host
+        self.last_ok = time.monotonic()
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_EVERY):
+            try:
+                done = self.host.exec_raw(["true"], timeout=HEARTBEAT_TIMEOUT)
+                if done.returncode == 0:
+                    self.last_ok = time.monotonic()
+            except subprocess.TimeoutExpired:
+                pass
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_ok
+
+
+class Running:
+    """A command running in L1, watched (see the module docstring)."""
+
+    def __init__(self, host: NestedHost, argv: list[str], limit: float, stdin: str | None) -> None:
+        self.host, self.argv = host, argv
+        self.deadline = time.monotonic() + limit
+        self.limit = limit
+        self.proc = subprocess.Popen(
+            ["bash", str(host.script), "exec", "--", *argv],
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=host.env,
+        )
+        if stdin is not None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(stdin.encode())
+            self.proc.stdin.close()
+        self.out = bytearray()
+        self.err = bytearray()
+        self.stage = (b"", 0)  # the L2's boot stage last seen, and when it was first seen
+        self.scanned = 0  # how much of stderr _l2_crawls has read
+
+    def _l2_crawls(self) -> str | None:
+        """Why the L2 this command waits for crawls, if it does (from vmsandbox's progress)."""
+        end = self.err.rfind(b"\n") + 1
+        fresh, self.scanned = bytes(self.err[self.scanned : end]), max(self.scanned, end)
+        why = None
+        for seconds, stage in WAITING.findall(fresh):
+            waited = int(seconds)
+            if stage != self.stage[0]:
+                self.stage = (stage, waited)
+            if waited - self.stage[1] > L2_STALL:
+                why = f"its L2 crawled: in stage '{stage.decode()}' for {waited - self.stage[1]} s"
+            elif waited > L2_CRAWL:
+                why = f"its L2 crawled: still waiting for SSH after {waited} s"
+        return why
+
+    def _pump(self, wait: float) -> None:
+        streams = [s for s in (self.proc.stdout, self.proc.stderr) if s and not s.closed]
+        if not streams:
+            time.sleep(wait)
+            return
+        ready, _, _ = select.select(streams, [], [], wait)
+        for stream in ready:
+            chunk = os.read(stream.fileno(), 65536)
+            if not chunk:
+                stream.close()
+            (self.out if stream is self.proc.stdout else self.err).extend(chunk)
+
+    def _check(self) -> None:
+        """Raise L1Lost when L1 is sick, the command is past its limit or the budget is out."""
+        self.host.check()
+        crawl = self._l2_crawls()
+        if crawl:
+            self.host.lose(crawl)
+        if time.monotonic() > self.deadline:
+            self.host.lose(f"'{' '.join(self.argv)[:80]}' ran past its {self.limit:.0f} s")
+
+    def wait_for_text(self, text: str) -> None:
+        """Read until ``text`` shows on stderr; the command may go on running."""
+        marker = text.encode()
+        while marker not in self.err:
+            if self.proc.poll() is not None and self._drained():
+                raise AssertionError(
+                    f"'{' '.join(self.argv)}' exited ({self.proc.returncode}) before "
+                    f"{text!r}:\n{self.err.decode(errors='replace')}"
+                )
+            self._pump(POLL)
+            self._check()
+
+    def _drained(self) -> bool:
+        return all(s is None or s.closed for s in (self.proc.stdout, self.proc.stderr))
+
+    def wait(self) -> subprocess.CompletedProcess[str]:
+        while not (self.proc.poll() is not None and self._drained()):
+            self._pump(POLL)
+            if self.proc.poll() is None:
+                self._check()
+            elif not self._drained():
+                self._pump(0)
+        done = subprocess.CompletedProcess(
+            self.argv,
+            self.proc.returncode,
+            self.out.decode(errors="replace"),
+            self.err.decode(errors="replace"),
+        )
+        if done.returncode == 255:  # ssh itself failed: was L1 to blame?
+            self.host.confirm_healthy()
+        return done
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+class NestedHost:
+    """The nested host of one test module (see the module docstring)."""
+
+    def __init__(self, script: Path, env: dict[str, str], state_dir: Path, log_dir: Path) -> None:
+        self.script, self.env = script, env
+        self.state_dir, self.log_dir = state_dir, log_dir
+        self.lives: list[L1Life] = []
+        self.deadline = time.monotonic() + BUDGET
+        self.began = time.monotonic()
+        self.console_seen = 0
+        self.heartbeat: Heartbeat | None = None
+        self.used = False  # whether a step left the running L1 unfit for another
+
+    # -- L1's life -----------------------------------------------------------------------------
+
+    def boot(self, command: str = "restart") -> None:
+        """``setup/nested.sh start`` (reuse or cold boot) or ``restart`` (a pristine L1)."""
+        self._stop_heartbeat()
+        began = time.monotonic()
+        left = self.left()
+        if left <= 0:
+            raise BudgetExhausted(f"no time left to {command} L1")
+        try:
+            done = subprocess.run(
+                ["bash", str(self.script), command],
+                capture_output=True,
+                text=True,
+                env=self.env,
+                timeout=left,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise BudgetExhausted(f"nested.sh {command} ran into the budget") from None
+        how = "restored" if "from the snapshot" in done.stderr else "cold boot"
+        life = L1Life(len(self.lives) + 1, how, time.monotonic() - began)
+        self.lives.append(life)
+        if done.returncode != 0:
+            life.lost = f"did not start: {done.stderr.strip().splitlines()[-1:]}"
+            raise L1Lost(f"nested host did not {command}:\n{done.stderr[-4000:]}")
+        self.console_seen = 0
+        self.used = False
+        self.heartbeat = Heartbeat(self)
+        self.heartbeat.start()
+
+    def kill(self) -> None:
+        self._stop_heartbeat()
+        subprocess.run(["bash", str(self.script), "kill"], env=self.env, timeout=60, check=False)
+
+    def stop(self) -> None:
+        self._stop_heartbeat()
+        subprocess.run(["bash", str(self.script), "stop"], env=self.env, timeout=120, check=True)
+
+    def _stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stopped.set()
+            self.heartbeat.join(timeout=HEARTBEAT_TIMEOUT + 5)
+            self.heartbeat = None
+
+    @property
+    def console(self) -> Path:
+        return self.state_dir / "console.log"
+
+    def lose(self, why: str) -> None:
+        """L1 is sick: keep its console, kill it, raise L1Lost."""
+        life = self.lives[-1] if self.lives else None
+        if life is not None and life.lost is None:
+            life.lost = why
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with (self.log_dir / "events.log").open("a") as events:
+                events.write(f"{time.strftime('%H:%M:%S')} L1 #{life.number} lost: {why}\n")
+            if self.console.exists():
+                shutil.copy(self.console, self.log_dir / f"l1-{life.number}-console.log")
+        self.kill()
+        raise L1Lost(why)
+
+    def check(self) -> None:
+        """Raise L1Lost if L1 is sick now, BudgetExhausted if the module's time is out."""
+        if self.left() <= 0:
+            self.kill()
+            raise BudgetExhausted("the module's time budget is spent")
+        if self.console.exists():
+            with self.console.open("rb") as console:
+                start = max(0, self.console_seen - 200)  # again: a line cut at the last read
+                console.seek(start)
+                fresh = console.read()
+            self.console_seen = start + len(fresh)
+            sick = SICK_CONSOLE.search(fresh)
+            if sick:
+                line = fresh[fresh.rfind(b"\n", 0, sick.start()) + 1 :].split(b"\n", 1)[0]
+                self.lose(f"console: {line.decode(errors='replace').strip()}")
+        pid_file = self.state_dir / "qemu.pid"
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+        except (OSError, ValueError):
+            self.lose("its QEMU exited")
+        if self.heartbeat is not None and self.heartbeat.silent_for() > HEARTBEAT_LOST:
+            self.lose(f"no answer to a heartbeat for {self.heartbeat.silent_for():.0f} s")
+
+    def confirm_healthy(self) -> None:
+        """Return once a heartbeat newer than now succeeds; raise L1Lost if L1 is sick first."""
+        since = time.monotonic()
+        while self.heartbeat is not None and self.heartbeat.last_ok <= since:
+            self.check()
+            time.sleep(POLL)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def exec_raw(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` in L1, unwatched (the heartbeat's own command)."""
+        return subprocess.run(
+            ["bash", str(self.script), "exec", "--", *argv],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            check=False,
+        )
+
+    def start(self, *argv: str, limit: float = 300, stdin: str | None = None) -> Running:
+        """Start ``argv`` as root in L1, watched; see ``Running``."""
+        return Running(self, list(argv), min(limit, max(self.left(), 1)), stdin)
+
+    def run(
+        self, *argv: str, limit: float = 300, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` as root in L1, watched: its exit status, stdout and stderr."""
+        running = self.start(*argv, limit=limit, stdin=stdin)
+        try:
+            return running.wait()
+        finally:
+            running.kill()
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def attempt(self, name: str, step: Callable[[], T], *, spoils_l1: bool = True) -> T:
+        """Run ``step`` in an L1 that no earlier step spoiled (a pristine one when the running
+        L1 is); when L1 is lost under it, run it again in another, up to ``L1_TRIES`` L1s.
+        ``spoils_l1``: the step leaves L1 unfit for another (it starts KVM guests, which wear a
+        TCG L1 out, or breaks a card's host driver)."""
+        for tries_left in range(L1_TRIES - 1, -1, -1):
+            try:
+                if self.used or not self.lives or self.lives[-1].lost:
+                    self.boot("restart" if self.lives else "start")
+                self.lives[-1].steps.append(name)
+                self.used = self.used or spoils_l1
+                return step()
+            except L1Lost as lost:
+                if not tries_left:
+                    raise AssertionError(
+                        f"step '{name}' lost {L1_TRIES} L1s in a row (last: {lost})\n"
+                        + self.summary()
+                    ) from None
+            except BudgetExhausted as out:
+                raise AssertionError(f"step '{name}': {out}\n{self.summary()}") from None
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def summary(self) -> str:
+        spent = time.monotonic() - self.began
+        lost = sum(1 for life in self.lives if life.lost)
+        head = (
+            f"nested host: {len(self.lives)} L1(s) started, {lost} lost, {spent:.0f} s of the"
+            f" {BUDGET:.0f} s budget spent (consoles of lost L1s in {self.log_dir})"
+        )
+        return "\n".join([head, *(f"  {life.describe()}" for life in self.lives)])
