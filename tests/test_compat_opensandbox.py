@@ -72,7 +72,7 @@ def test_accepted(source: str, limits: dict | None, expected: GpuRequest | None)
         ("vmsandbox: a whole number", {"nvidia.com/gpu": "0"}, NV, "greater than 0"),
         ("vmsandbox: a whole number", {"nvidia.com/gpu": "+2"}, NV, "greater than 0"),
         (MODEL, {"nvidia.com/gpu": 2}, NV, "must be a string"),
-        (K8S, {"gpu": "1", "nvidia.com/gpu": "2"}, GPU, "overwrite"),
+        (K8S, {"gpu": "1", "nvidia.com/gpu": "2"}, GPU, "writes it over"),
         (K8S, {"gpu": "all", "nvidia.com/gpu": "2"}, GPU, "disagrees"),
         (K8S, {"gpu": "3", "amd.com/gpu": "3"}, GPU, "means NVIDIA GPUs"),
         (K8S, {"nvidia.com/gpu": "1", "amd.com/gpu": "1"}, AMD, "one vendor"),
