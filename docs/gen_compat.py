@@ -29,8 +29,9 @@ tests/test_compat_platforms.py compares them spec for spec, hand-picked and gene
 platform accepts is accepted and means what it means there, and what it refuses is refused
 with `INVALID_ARGUMENT` naming the field, the value and what is allowed. The rows marked
 *intended difference* are the exceptions, each asserted by that test: vmsandbox refuses what
-would start a sandbox that cannot work or is not the one asked for, and passes more than one
-GPU to a VM. Every example below is checked there against both sides.
+would start a sandbox that cannot work or is not the one asked for, passes more than one GPU
+to a VM, still reads OpenShell's earlier GPU fields, and leaves the values of fields that are
+not about GPUs to their own readers. Every example below is checked there against both sides.
 
 Device ids everywhere: a PCI address (`0000:41:00.0`, `41:00.0`, `pci_0000_41_00_0`), an NVIDIA
 UUID, a ROCm UUID, a DRM card name (`card1`) or an inventory index (`0`).
