@@ -974,10 +974,15 @@ driver_configs = mostly(
 openshell_specs = some_keys(
     resource_requirements=mostly(some_keys(gpu=gpu_blocks)),
     resourceRequirements=mostly(some_keys(gpu=gpu_blocks)),
-    template=mostly(some_keys(driver_config=driver_configs, image=st.just("minimal"))),
+    template=mostly(
+        some_keys(
+            driver_config=driver_configs, driverConfig=driver_configs, image=st.just("minimal")
+        )
+    ),
     log_level=st.just("info"),
     gpu=st.booleans(),
     gpu_device=device_ids,
+    gpuDevice=device_ids,
 )
 
 
