@@ -327,6 +327,15 @@ class SandboxManager:
         sandbox.boot_seconds = waited
         return sandbox
 
+    def set_generation(self, name: str, generation: str) -> Sandbox:
+        """Record the runtime generation an OpenShell gateway started the sandbox with (the
+        driver's StartSandbox; vmsandbox/openshell/identity.py)."""
+        with self.locked():
+            record, state = self.store.get(name)
+            record = replace(record, generation=generation)
+            self.store.put(record, state)
+        return self.store.view(record, state)
+
     # -- destroy ------------------------------------------------------------------------------
 
     def destroy(self, name: str) -> None:
