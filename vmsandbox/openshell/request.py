@@ -304,7 +304,7 @@ def _main_unit(command: tuple[str, ...], workload: Workload, private_users: bool
         *([f"Group={workload.group}"] if workload.group else []),
         *(["PrivateUsers=yes"] if private_users else []),
         f"EnvironmentFile={ENVIRONMENT_FILE}",
-        "WorkingDirectory=~",
+        "WorkingDirectory=-~",  # a user without a home (nobody) starts in /
         f"ExecStart={exec_line(command)}",
     ]
     return (
