@@ -173,7 +173,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def _become_ready(self, name: str, *, wait: bool = True) -> None:
         """In the background: wait for SSH and the GPU check (``wait``), then launch the
         workload; the outcome lands in the domain's record, which libvirt announces to the
-        watchers, or, for the launch, in the snapshots (a watcher is told by ``_changed``)."""
+        watchers, or, for the launch, in the snapshots (``events.changed`` tells them)."""
 
         def run() -> None:
             try:
