@@ -10,8 +10,9 @@ demo: setup
 
 # The test run needs all three images: the NVIDIA one is booted by its own e2e test, and the
 # nested GPU host (tests/test_e2e_nested.py, through setup/nested.sh) by the real-VFIO tests.
-# setup/platforms.sh builds .venv-platforms, the platforms' own packages that
-# tests/test_compat_platforms.py compares vmsandbox.compat with.
+# setup/platforms.sh builds .venv-platforms, the platforms' own released packages that
+# tests/test_compat_platforms.py compares vmsandbox.compat with and tests/test_openshell_sdk.py
+# drives the OpenShell driver with.
 test:
 	VMSANDBOX_IMAGES="minimal nvidia nested" bash setup/setup.sh
 	bash setup/platforms.sh
