@@ -501,7 +501,11 @@ def test_the_main_process_runs_as_the_workload_user_in_a_user_namespace(
     the guest, inside a user namespace of its own (template.user_namespaces); the snapshot
     reports the resolved identity and the main process's exit."""
     name, sandbox_id = "t-os-main", "gw-main-1"
-    probe = "id -u > /tmp/main-id; id -g >> /tmp/main-id; cat /proc/self/uid_map >> /tmp/main-id"
+    # written whole, then renamed: the reader below waits for the file and must not see half
+    probe = (
+        "{ id -u; id -g; cat /proc/self/uid_map; } > /tmp/main-id.part; "
+        "mv /tmp/main-id.part /tmp/main-id"
+    )
     request = pb.DriverSandbox(
         id=sandbox_id,
         name=name,
