@@ -11,7 +11,11 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-PROTOS = ("vmsandbox/openshell/proto/compute_driver.proto",)
+PROTOS = (
+    "vmsandbox/openshell/proto/extension.proto",
+    "vmsandbox/openshell/proto/sandbox.proto",
+    "vmsandbox/openshell/proto/compute_driver.proto",
+)
 
 
 def generate(root: Path, out: Path | None = None) -> None:
