@@ -53,11 +53,20 @@ die() { say "$*"; exit 1; }
 
 running() { [ -f "$STATE/qemu.pid" ] && kill -0 "$(cat "$STATE/qemu.pid")" 2>/dev/null; }
 
+# Commands share one SSH connection to L1 (a handshake under TCG costs a second or two). Its
+# master is started apart, with no file of the caller's open (a caller reading our output to its
+# end would wait for the master otherwise), and ends with L1 or after a minute unused.
 ssh_l1() {
-  ssh -q -T -p "$(cat "$STATE/port")" -i "$STATE/id_ed25519" \
-    -o UserKnownHostsFile="$STATE/known_hosts" -o StrictHostKeyChecking=yes \
-    -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4 \
-    -o LogLevel=ERROR root@127.0.0.1 "$@"
+  local opts=(
+    -q -p "$(cat "$STATE/port")" -i "$STATE/id_ed25519"
+    -o UserKnownHostsFile="$STATE/known_hosts" -o StrictHostKeyChecking=yes
+    -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4
+    -o ControlPath="$STATE/ssh-mux" -o LogLevel=ERROR
+  )
+  [ -S "$STATE/ssh-mux" ] || flock "$STATE/ssh-mux.lock" sh -c '[ -S "$0" ] || exec "$@"' \
+    "$STATE/ssh-mux" ssh "${opts[@]}" -o ControlMaster=yes -o ControlPersist=60 -fN \
+    root@127.0.0.1 </dev/null >/dev/null 2>&1 || true
+  ssh "${opts[@]}" -o ControlMaster=no -T root@127.0.0.1 "$@"
 }
 
 # Absolute build folder of image $1 in the host's image store (the current build).
@@ -154,6 +163,8 @@ kill_l1() {
   pid=$(cat "$STATE/qemu.pid")
   kill -9 "$pid" 2>/dev/null || true  # nothing of a thrown-away L1 is kept
   for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+  ssh -q -o ControlPath="$STATE/ssh-mux" -O exit root@127.0.0.1 2>/dev/null || true
+  rm -f "$STATE/ssh-mux" "$STATE/ssh-mux.lock"
 }
 
 boot() {

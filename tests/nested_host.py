@@ -73,10 +73,12 @@ class L1Life:
     how: str  # "cold boot" or "restored"
     start_s: float
     steps: list[str] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # each step's time, once it ended
     lost: str | None = None
 
     def describe(self) -> str:
-        steps = ", ".join(self.steps) or "no step"
+        took = zip(self.steps, self.seconds, strict=False)
+        steps = ", ".join(f"{step} {secs:.0f} s" for step, secs in took) or "no step"
         end = f"LOST: {self.lost}" if self.lost else "healthy"
         return f"L1 #{self.number} ({self.how}, ready in {self.start_s:.0f} s; {steps}): {end}"
 
@@ -348,9 +350,14 @@ class NestedHost:
             try:
                 if self.used or not self.lives or self.lives[-1].lost:
                     self.boot("restart" if self.lives else "start")
-                self.lives[-1].steps.append(name)
+                life = self.lives[-1]
+                life.steps.append(name)
                 self.used = self.used or spoils_l1
-                return step()
+                began = time.monotonic()
+                try:
+                    return step()
+                finally:
+                    life.seconds.append(time.monotonic() - began)
             except L1Lost as lost:
                 if not tries_left:
                     raise AssertionError(
