@@ -145,6 +145,15 @@ def test_the_architecture_page_lists_the_layers_in_order() -> None:
     assert set(re.findall(r"`([a-z_]+)`", core_row)) == set(layers.core)
 
 
+def test_the_create_diagram_names_real_modules() -> None:
+    """The diagram of one create names modules relative to vmsandbox/: each must exist."""
+    [diagram] = code_blocks(DOCS / "architecture.md", "text")
+    named = set(re.findall(r"\b([a-z_]+(?:/[a-z_]+)*(?:/|\.py))(?=[\s,]|$)", diagram))
+    assert len(named) >= 20
+    missing = [name for name in sorted(named) if not (REPO / "vmsandbox" / name).exists()]
+    assert missing == []
+
+
 def test_the_api_reference_covers_every_public_name() -> None:
     text = (DOCS / "api.md").read_text()
     documented = set(re.findall(r"^::: (\S+)$", text, re.MULTILINE))
