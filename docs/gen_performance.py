@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -151,6 +152,19 @@ def series_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
+def stage_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """A cold boot's stages (fast_start's ``cold_stages``: per round, the seconds from the
+    start of the create to each stage's first console line), as median and min - max."""
+    rounds = report.get("cold_stages") or []
+    stages = list(dict.fromkeys(stage for entry in rounds for stage in entry))
+    rows = []
+    for stage in stages:
+        values = sorted(entry[stage] for entry in rounds if stage in entry)
+        median = statistics.median(values)
+        rows.append((stage, fmt(median, "s"), f"{fmt(values[0], 's')} - {fmt(values[-1], 's')}"))
+    return rows
+
+
 def _series_row(label: str, series: dict[str, Any], unit: str) -> tuple[str, str, str]:
     low, high = seconds(series["min"], unit), seconds(series["max"], unit)
     return label, seconds(series["median"], unit), f"{low} - {high}"
@@ -238,6 +252,10 @@ def render(results: Path) -> str:
             "",
         ]
         lines += table(("Measurement", "Median", "Min - max"), series_rows(report))
+        stages = stage_rows(report)
+        if stages:
+            lines += ["", "Where a cold create's time goes: seconds from its start to each stage."]
+            lines += ["", *table(("Cold boot stage", "Median", "Min - max"), stages)]
         judged = checks(report)
         if judged:
             lines.append("")
