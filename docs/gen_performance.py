@@ -218,14 +218,28 @@ def render(results: Path) -> str:
         "again and rewrite this page:",
         "",
         "```sh",
-        ".venv/bin/python bench/run_all.py --out docs/results    # every benchmark, or one:",
-        ".venv/bin/python bench/destroy.py --out docs/results",
-        ".venv/bin/python docs/gen_performance.py",
+        "make bench                                               # setup, then every benchmark",
+        ".venv/bin/python bench/run_all.py --out docs/results     # every benchmark, or one:",
+        ".venv/bin/python bench/destroy.py --rounds 10 --out docs/results",
+        ".venv/bin/python bench/run_all.py --quick --out /tmp/b   # one round each: they work",
+        ".venv/bin/python docs/gen_performance.py                 # this page, from docs/results",
         "```",
         "",
-        "## Summary",
+        "Every script takes `--rounds N`, `--warmup N` and `--out DIR`; `run_all.py` also "
+        "`--only NAME ...` and `--skip NAME ...`. Whatever a benchmark makes (sandboxes and "
+        "domains named `bench-*`, files) is removed when it ends, Ctrl-C included. A script "
+        "exits 2 when it could not measure and 130 when interrupted; `allocation` exits 1 "
+        "when a GPU was held twice, and `run_all.py` 1 when a target was missed or a "
+        "benchmark did not finish. `create_overhead` needs virt-install "
+        "(`make bench` installs it); `gpu_claim` needs a running "
+        "[nested GPU host](nested-gpu-host.md).",
         "",
     ]
+    ran = {report["bench"] for report in reports}
+    missing = [title for name, (title, _) in ABOUT.items() if name not in ran]
+    if missing:
+        lines += ["Not run for this page: " + ", ".join(missing) + ".", ""]
+    lines += ["## Summary", ""]
     rows = [
         (
             ABOUT.get(report["bench"], (report["bench"], ""))[0],
