@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 README = REPO / "README.md"
 README_MAX_LINES = 250
-DOCS_VENV = Path(os.environ.get("VMSANDBOX_DOCS_VENV") or REPO / ".venv-docs")
+DOCS_VENV = Path(os.environ.get("VMSANDBOX_DOCS_VENV") or REPO / ".venv-docs").resolve()
 sys.path.insert(0, str(DOCS))
 
 import gen_performance  # noqa: E402
