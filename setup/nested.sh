@@ -36,11 +36,9 @@ BOOT_TIMEOUT="${VMSANDBOX_NESTED_BOOT_TIMEOUT:-900}"
 # SeaBIOS (gpu_firmware "auto", passthrough.choose_firmware) and OVMF never runs in L2.
 QEMU=/usr/bin/qemu-system-x86_64
 # L1's CPU: an EPYC with SVM and nested paging (TCG drops the features it lacks, with warnings
-# in qemu.log). KVM inside TCG is unreliable either way (README, "The nested GPU host"): L2 boots
-# crawl now and then and L1's kernel can overflow a vCPU thread's stack in its exception entry
-# and panic. With `-cpu max` loops here crawled at the second create in one L1 (`max,-vgif` too);
-# with EPYC 11 creates in a row in two loops took 42-50 s each, but a later module run lost 2 of
-# its 8 EPYC L1s (a crawl, panics). Not fixed, perhaps rarer; the tests retry in a fresh L1.
+# in qemu.log). KVM inside TCG is unreliable (docs/nested-gpu-host.md): an L2 boot crawls now
+# and then and L1's kernel can overflow a vCPU thread's stack in its exception entry and panic;
+# the tests watch L1 and run a step again in a pristine L1 (tests/nested_host.py).
 L1_CPU="${VMSANDBOX_NESTED_CPU:-EPYC}"
 TCG_THREAD="${VMSANDBOX_NESTED_TCG_THREAD:-multi}"
 # The two cards: an RV100 (Radeon 7000, 1002:5159, which radeon drives) and a Rage 128 Pro
@@ -262,7 +260,7 @@ cmd_exec() {
   local rc=0
   ssh_l1 "export PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin; $quoted" || rc=$?
   if [ "$rc" = 255 ] && grep -a -q "Kernel panic" "$STATE/console.log"; then
-    # ssh itself failed and L1's kernel panicked (KVM inside TCG; see the README): its last
+    # ssh itself failed and L1's kernel panicked (KVM inside TCG; docs/nested-gpu-host.md): its last
     # console lines hold the trace.
     tail -n 60 "$STATE/console.log" | sed 's/^/[nested] L1: /' >&2
   fi

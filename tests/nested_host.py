@@ -54,6 +54,8 @@ L1_TRIES = 3  # L1s one step may use
 BUDGET = float(os.environ.get("VMSANDBOX_NESTED_BUDGET", 15 * 60))  # the module's, retries included
 POLL = 0.5
 # vmsandbox's progress line while it waits for a guest: seconds waited and the guest's stage
+# What setup/nested.sh says for each way it starts an L1 (else it booted one cold).
+BOOTS = (("from the snapshot", "restored"), ("reusing the running L1", "reused"))
 WAITING = re.compile(rb"waiting for SSH \((\d+)s, guest: ([^)]*)\)")
 
 
@@ -70,7 +72,7 @@ class L1Life:
     """One L1: how it started, what ran in it, how it ended."""
 
     number: int
-    how: str  # "cold boot" or "restored"
+    how: str  # "cold boot", "restored" or "reused"
     start_s: float
     steps: list[str] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)  # each step's time, once it ended
@@ -236,7 +238,7 @@ class NestedHost:
         except subprocess.TimeoutExpired:
             self.kill()
             raise BudgetExhausted(f"nested.sh {command} ran into the budget") from None
-        how = "restored" if "from the snapshot" in done.stderr else "cold boot"
+        how = next((how for said, how in BOOTS if said in done.stderr), "cold boot")
         life = L1Life(len(self.lives) + 1, how, time.monotonic() - began)
         self.lives.append(life)
         if done.returncode != 0:
