@@ -52,6 +52,7 @@ L2_STALL = 120.0  # an L2 whose boot stage has not moved for this long crawls (h
 L2_CRAWL = 360.0  # and one still without SSH after this long (healthy: 45-70 s here)
 L1_TRIES = 3  # L1s one step may use
 BUDGET = float(os.environ.get("VMSANDBOX_NESTED_BUDGET", 15 * 60))  # the module's, retries included
+START_LIMIT = 3600.0  # one start of L1, a cold boot on a loaded machine included
 POLL = 0.5
 # vmsandbox's progress line while it waits for a guest: seconds waited and the guest's stage
 # What setup/nested.sh says for each way it starts an L1 (else it booted one cold).
@@ -232,7 +233,7 @@ class NestedHost:
                 capture_output=True,
                 text=True,
                 env=self.env,
-                timeout=left,
+                timeout=min(left, START_LIMIT),
                 check=False,
             )
         except subprocess.TimeoutExpired:
