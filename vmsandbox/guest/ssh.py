@@ -13,7 +13,6 @@ import select
 import shlex
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,14 +35,6 @@ def _paramiko() -> Any:
     import paramiko
 
     return paramiko
-
-
-def preload() -> threading.Thread:
-    """Import paramiko in a thread of its own, while the caller waits on libvirtd: a pool hit
-    needs it a fraction of a second after the process starts, and the import takes ~0.1 s."""
-    thread = threading.Thread(target=_paramiko, name="preload-paramiko", daemon=True)
-    thread.start()
-    return thread
 
 
 @dataclass(frozen=True)
