@@ -15,7 +15,11 @@
 # Exit status: 0 applied (or applied at an earlier boot of this instance); 3 the seed has no file
 # in a format this script reads (the Python unit applies it); 1 failed, after a line
 # "vmsandbox-firstboot: error: ..." (vmsandbox's boot watcher fails the create on it).
+#
+# Under TCG every process started costs milliseconds: what shell builtins can do (read, printf,
+# redirections) is done with them, not with programs.
 set -u
+umask 022
 PREFIX=vmsandbox-firstboot
 FORMAT=1
 SYS_NET=/sys/class/net
@@ -30,11 +34,15 @@ fail() {
   exit 1
 }
 
-# put MODE OWNER PATH: standard input into PATH, made by its owner alone first (never through a
-# link left at PATH), then given its owner and mode.
+# put MODE OWNER PATH TEXT: TEXT into a new file PATH (never through a link or into a file left
+# there), its owner's alone until it has its owner and mode.
 put() {
-  rm -f "$3" && (umask 077 && cat > "$3") && chown "$2" "$3" && chmod "$1" "$3" \
-    || fail "cannot write $3"
+  if [ -e "$3" ] || [ -L "$3" ]; then rm -f "$3" || fail "cannot replace $3"; fi
+  umask 077
+  printf %s "$4" > "$3" || fail "cannot write $3"
+  umask 022
+  if [ "$2" != 0:0 ]; then chown "$2" "$3" || fail "cannot give $3 to $2"; fi
+  if [ "$1" != 600 ]; then chmod "$1" "$3" || fail "cannot make $3 mode $1"; fi
 }
 
 # The file: a first line "format 1", then one "key value" per line.
@@ -78,13 +86,15 @@ case $host in '' | [.-]* | *[!A-Za-z0-9.-]*) fail "$file hostname '$host' is not
 case $user in '' | [0-9-]* | *[!a-z0-9_-]*) fail "$file user '$user' is not a user name" ;; esac
 case $shell in *:* | [!/]* | '') fail "$file user shell '$shell' is not an absolute path" ;; esac
 [ -n "$keys" ] || fail "$file has no authorized-key"
-printf %s "$hostkeys" | while read -r name _data; do
-  case $name in
-    ssh_host_rsa_key | ssh_host_ecdsa_key | ssh_host_ed25519_key) ;;
+while read -r keyfile _data; do
+  case $keyfile in
+    '' | ssh_host_rsa_key | ssh_host_ecdsa_key | ssh_host_ed25519_key) ;;
     ssh_host_rsa_key.pub | ssh_host_ecdsa_key.pub | ssh_host_ed25519_key.pub) ;;
-    *) fail "$file host-key '$name' is not an SSH host key file" ;;
+    *) fail "$file host-key '$keyfile' is not an SSH host key file" ;;
   esac
-done || exit 1
+done << EOF
+$hostkeys
+EOF
 set -f
 # shellcheck disable=SC2086 # the NIC's fields, split on purpose
 set -- $nic
@@ -98,44 +108,81 @@ case $name in '' | *[!a-z0-9]*) fail "$file nic name '$name' is not an interface
 for ip in "${address%/*}" "$gateway" $servers; do
   case $ip in '' | *[!0-9.]*) fail "$file nic address '$ip' is not an IPv4 address" ;; esac
 done
-case ${address#*/} in "$address" | '' | *[!0-9]*) fail "$file nic address '$address' has no prefix length" ;; esac
+case ${address#*/} in
+  "$address" | '' | *[!0-9]*) fail "$file nic address '$address' has no prefix length" ;;
+esac
 
-# login.defs value $1 (default $2) of the guest.
-defs() {
-  awk -v key="$1" -v value="$2" '$1 == key { value = $2 } END { print value }' \
-    "$root/etc/login.defs"
+# The login.defs values useradd reads, as def_NAME (Debian's defaults where one is not set).
+read_defs() {
+  def_UID_MIN=1000 def_UID_MAX=60000 def_GID_MIN=1000 def_GID_MAX=60000
+  def_PASS_MIN_DAYS=0 def_PASS_MAX_DAYS=99999 def_PASS_WARN_AGE=7
+  def_SUB_UID_MIN=100000 def_SUB_UID_COUNT=65536 def_SUB_GID_MIN=100000 def_SUB_GID_COUNT=65536
+  while read -r key value _; do
+    case $key in
+      UID_MIN | UID_MAX | GID_MIN | GID_MAX | PASS_MIN_DAYS | PASS_MAX_DAYS | PASS_WARN_AGE) ;;
+      SUB_UID_MIN | SUB_UID_COUNT | SUB_GID_MIN | SUB_GID_COUNT) ;;
+      *) continue ;;
+    esac
+    case $value in '' | *[!0-9]*) continue ;; esac
+    eval "def_$key=\$value"
+  done < "$root/etc/login.defs"
 }
 
-# One above the highest id (field 3) of FILE within MIN..MAX, or MIN when none is.
+# next_id FILE MIN MAX: one above the highest id (field 3) of FILE within MIN..MAX, or MIN when
+# none is, in $id.
 next_id() {
-  awk -F: -v min="$2" -v max="$3" \
-    '$3 >= min && $3 <= max && $3 >= n { n = $3 + 1 } END { print (n ? n : min) }' "$1"
+  id=$2
+  while IFS=: read -r _ _ number _; do
+    case $number in '' | *[!0-9]*) continue ;; esac
+    if [ "$number" -ge "$2" ] && [ "$number" -le "$3" ] && [ "$number" -ge "$id" ]; then
+      id=$((number + 1))
+    fi
+  done < "$1"
+}
+
+# The uid, gid and home of $user in the guest's passwd, in $uid, $gid and $home; false when it
+# has no such user.
+account() {
+  while IFS=: read -r login _ uid gid _ home _; do
+    [ "$login" = "$user" ] && return 0
+  done < "$root/etc/passwd"
+  return 1
+}
+
+# next_sub FILE MIN COUNT: "$user:FIRST:COUNT" added to FILE (/etc/subuid or /etc/subgid), FIRST
+# the first id after every range there, at least MIN; nothing when FILE is not there.
+next_sub() {
+  [ -f "$1" ] && [ "$3" -gt 0 ] || return 0
+  first=$2
+  while IFS=: read -r _ start count; do
+    case $start$count in '' | *[!0-9]*) continue ;; esac
+    [ $((start + count)) -le "$first" ] || first=$((start + count))
+  done < "$1"
+  echo "$user:$first:$3" >> "$1" || fail "cannot write $1"
 }
 
 # useradd --create-home --user-group --shell SHELL USER, as Debian's shadow makes it.
 add_user() {
   etc=$root/etc
-  uid=$(next_id "$etc/passwd" "$(defs UID_MIN 1000)" "$(defs UID_MAX 60000)")
-  gid=$uid
-  if awk -F: -v gid="$gid" '$3 == gid { found = 1 } END { exit !found }' "$etc/group"; then
-    gid=$(next_id "$etc/group" "$(defs GID_MIN 1000)" "$(defs GID_MAX 60000)")
-  fi
+  read_defs
+  next_id "$etc/passwd" "$def_UID_MIN" "$def_UID_MAX"
+  uid=$id gid=$id
+  while IFS=: read -r _ _ number _; do
+    [ "$number" = "$gid" ] || continue
+    next_id "$etc/group" "$def_GID_MIN" "$def_GID_MAX"
+    gid=$id
+    break
+  done < "$etc/group"
   days=$(($(date +%s) / 86400))
+  shadow="$user:!:$days:$def_PASS_MIN_DAYS:$def_PASS_MAX_DAYS:$def_PASS_WARN_AGE:::"
   {
     echo "$user:x:$uid:$gid::/home/$user:$shell" >> "$etc/passwd" \
       && echo "$user:x:$gid:" >> "$etc/group" \
-      && echo "$user:!:$days:$(defs PASS_MIN_DAYS 0):$(defs PASS_MAX_DAYS 99999):$(defs PASS_WARN_AGE 7):::" \
-        >> "$etc/shadow" \
+      && echo "$shadow" >> "$etc/shadow" \
       && { [ ! -f "$etc/gshadow" ] || echo "$user:!::" >> "$etc/gshadow"; }
   } || fail "cannot add user $user to $etc"
-  for kind in UID GID; do
-    case $kind in UID) ids=$etc/subuid ;; *) ids=$etc/subgid ;; esac
-    count=$(defs "SUB_${kind}_COUNT" 65536)
-    [ -f "$ids" ] && [ "$count" -gt 0 ] || continue
-    first=$(awk -F: -v min="$(defs "SUB_${kind}_MIN" 100000)" \
-      '$2 + $3 > min { min = $2 + $3 } END { print min }' "$ids")
-    echo "$user:$first:$count" >> "$ids" || fail "cannot write $ids"
-  done
+  next_sub "$etc/subuid" "$def_SUB_UID_MIN" "$def_SUB_UID_COUNT"
+  next_sub "$etc/subgid" "$def_SUB_GID_MIN" "$def_SUB_GID_COUNT"
   home=$root/home/$user
   mkdir -p "$root/home" && mkdir -m 0755 "$home" && cp -a "$etc/skel/." "$home/" \
     && chown -R "$uid:$gid" "$home" || fail "cannot make the home folder $home"
@@ -143,42 +190,68 @@ add_user() {
 
 apply() {
   echo "$host" > /proc/sys/kernel/hostname || fail "cannot set the hostname $host"
-  echo "$host" | put 644 0:0 "$root/etc/hostname"
-  printf '127.0.0.1 localhost\n127.0.1.1 %s\n::1 localhost ip6-localhost ip6-loopback\nff02::1 ip6-allnodes\nff02::2 ip6-allrouters\n' \
-    "$host" | put 644 0:0 "$root/etc/hosts"
+  put 644 0:0 "$root/etc/hostname" "$host
+"
+  put 644 0:0 "$root/etc/hosts" "127.0.0.1 localhost
+127.0.1.1 $host
+::1 localhost ip6-localhost ip6-loopback
+ff02::1 ip6-allnodes
+ff02::2 ip6-allrouters
+"
 
   rm -f "$root"/etc/ssh/ssh_host_*
-  printf %s "$hostkeys" | while read -r name data; do
-    mode=600
-    case $name in *.pub) mode=644 ;; esac
-    echo "$data" | base64 -d | put "$mode" 0:0 "$root/etc/ssh/$name"
-    [ -s "$root/etc/ssh/$name" ] || fail "host-key $name is not base64 text"
-  done || exit 1
-
-  grep -q "^$user:" "$root/etc/passwd" || add_user
-  IFS=: read -r _ _ uid gid _ home _ <<EOF
-$(grep "^$user:" "$root/etc/passwd")
+  while read -r keyfile data; do
+    [ -n "$keyfile" ] || continue
+    path=$root/etc/ssh/$keyfile
+    umask 077
+    base64 -d > "$path" << KEY || fail "host-key $keyfile is not base64 text"
+$data
+KEY
+    umask 022
+    [ -s "$path" ] || fail "host-key $keyfile is not base64 text"
+    case $keyfile in *.pub) chmod 644 "$path" || fail "cannot make $path mode 644" ;; esac
+  done << EOF
+$hostkeys
 EOF
+
+  account || add_user
+  account || fail "user $user is not in $root/etc/passwd"
   ssh=$root$home/.ssh
-  mkdir -p -m 0700 "$ssh" && chown "$uid:$gid" "$ssh" || fail "cannot make $ssh"
-  printf %s "$keys" | put 600 "$uid:$gid" "$ssh/authorized_keys"
+  [ -d "$ssh" ] || mkdir -m 0700 "$ssh" || fail "cannot make $ssh"
+  chown "$uid:$gid" "$ssh" || fail "cannot give $ssh to $user"
+  put 600 "$uid:$gid" "$ssh/authorized_keys" "$keys"
   if [ -n "$sudo" ]; then
-    mkdir -p "$root/etc/sudoers.d"
-    echo "$user $sudo" | put 440 0:0 "$root/etc/sudoers.d/90-vmsandbox-users"
+    [ -d "$root/etc/sudoers.d" ] || mkdir -p "$root/etc/sudoers.d" || fail "cannot make sudoers.d"
+    put 440 0:0 "$root/etc/sudoers.d/90-vmsandbox-users" "$user $sudo
+"
   fi
 
   network=$root/etc/systemd/network
-  mkdir -p "$network" || fail "cannot make $network"
-  printf '[Match]\nMACAddress=%s\n\n[Link]\nName=%s\n' "$mac" "$name" \
-    | put 644 0:0 "$network/50-vmsandbox-$name.link"
-  {
-    printf '[Match]\nMACAddress=%s\n\n[Network]\nLinkLocalAddressing=no\nIPv6AcceptRA=no\n' "$mac"
-    printf 'KeepConfiguration=static\nAddress=%s\nGateway=%s\n' "$address" "$gateway"
-    for server in $servers; do echo "DNS=$server"; done
-  } | put 644 0:0 "$network/50-vmsandbox-$name.network"
-  if [ -n "$servers" ]; then
-    for server in $servers; do echo "nameserver $server"; done | put 644 0:0 "$root/etc/resolv.conf"
-  fi
+  [ -d "$network" ] || mkdir -p "$network" || fail "cannot make $network"
+  put 644 0:0 "$network/50-vmsandbox-$name.link" "[Match]
+MACAddress=$mac
+
+[Link]
+Name=$name
+"
+  dns='' resolv=''
+  for server in $servers; do
+    dns="${dns}DNS=$server
+"
+    resolv="${resolv}nameserver $server
+"
+  done
+  put 644 0:0 "$network/50-vmsandbox-$name.network" "[Match]
+MACAddress=$mac
+
+[Network]
+LinkLocalAddressing=no
+IPv6AcceptRA=no
+KeepConfiguration=static
+Address=$address
+Gateway=$gateway
+$dns"
+  [ -z "$resolv" ] || put 644 0:0 "$root/etc/resolv.conf" "$resolv"
 }
 
 # The NIC up with its address and gateway, at every boot: sshd answers as soon as it listens.
@@ -186,7 +259,8 @@ EOF
 bring_up() {
   current=''
   for link in "$SYS_NET"/*; do
-    [ "$(cat "$link/address" 2> /dev/null)" = "$mac" ] && current=${link##*/}
+    [ -f "$link/address" ] && read -r seen < "$link/address" && [ "$seen" = "$mac" ] \
+      && current=${link##*/}
   done
   [ -n "$current" ] || return 0
   if { [ "$current" = "$name" ] || ip link set dev "$current" name "$name"; } \
@@ -199,14 +273,17 @@ bring_up() {
 }
 
 state=$root/var/lib/vmsandbox
-if [ "$(cat "$state/instance-id" 2> /dev/null)" = "$iid" ]; then
+done_iid=''
+[ ! -f "$state/instance-id" ] || read -r done_iid < "$state/instance-id"
+if [ "$done_iid" = "$iid" ]; then
   say "instance $iid is set up already"
   bring_up
 else
   apply
   bring_up
-  mkdir -p -m 0700 "$state" || fail "cannot make $state"
-  echo "$iid" | put 644 0:0 "$state/instance-id"
+  [ -d "$state" ] || { mkdir -p "${state%/*}" && mkdir -m 0700 "$state"; } || fail "cannot make $state"
+  put 644 0:0 "$state/instance-id" "$iid
+"
   say "$host is set up (instance $iid)"
 fi
 exit 0
