@@ -63,9 +63,10 @@ mark() {
   echo "vmsandbox-boot: $1 at ${up}s"
 }
 mark "initramfs started"
-for module in $(cat /modules); do insmod "$module"; done
+while read -r module; do insmod "$module"; done < /modules
 rootdev=/dev/vda delay=0 nic=early seed=yes
-for arg in $(cat /proc/cmdline); do
+read -r cmdline < /proc/cmdline
+for arg in $cmdline; do
   case "$arg" in
     root=*) rootdev=${arg#root=} ;;
     rootdelay=*) delay=${arg#rootdelay=} ;;
@@ -74,7 +75,7 @@ for arg in $(cat /proc/cmdline); do
   esac
 done
 if [ "$nic" = early ]; then
-  for module in $(cat /modules.nic); do insmod "$module"; done
+  while read -r module; do insmod "$module"; done < /modules.nic
 fi
 tries=$(( (delay + 30) * 20 ))
 while [ ! -b "$rootdev" ] && [ "$tries" -gt 0 ]; do usleep 50000; tries=$((tries - 1)); done
@@ -87,7 +88,7 @@ mount -t ext4 -o rw "$rootdev" /root || exec sh
 # systemd keeps a /run that is there already: the seed's flag for the Python unit goes on it.
 mount -t tmpfs -o mode=0755,nosuid,nodev,size=20%,nr_inodes=800k tmpfs /root/run
 if [ "$seed" = yes ]; then
-  for module in $(cat /modules.seed); do insmod "$module"; done
+  while read -r module; do insmod "$module"; done < /modules.seed
   for device in /dev/vd?; do
     [ "$device" != "$rootdev" ] || continue
     label=$(dd if="$device" bs=1 skip=32808 count=7 2> /dev/null)
