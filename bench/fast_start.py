@@ -181,15 +181,18 @@ class ConsoleClock:
             if stage not in self.legacy and pattern.search(text):
                 self.legacy[stage] = arrived
 
-    def stages(self, ended: float) -> dict[str, float]:
-        """Seconds of each stage of STAGES (the create ran from ``started`` to ``ended``);
-        empty when the guest wrote no "vmsandbox-boot" lines or QEMU's start was not seen."""
-        if self.qemu_started is None or not {INITRAMFS, SYSTEMD, SSHD} <= set(self.marks):
+    def stages(self, ended: float, sshd: float | None = None) -> dict[str, float]:
+        """Seconds of each stage of STAGES (the create ran from ``started`` to ``ended``; sshd
+        was up at ``sshd`` in the guest's clock, else when its console line says); empty when
+        the guest wrote no "vmsandbox-boot" lines or QEMU's start was not seen."""
+        if sshd is None and SSHD in self.marks:
+            sshd = self.marks[SSHD][0]
+        if self.qemu_started is None or sshd is None or not {INITRAMFS, SYSTEMD} <= set(self.marks):
             return {}
         # The guest's clock 0 on the host's: each line arrives after it was written, never
         # before, so the earliest estimate is the closest.
         kernel = min(arrived - at for at, arrived in self.marks.values())
-        initramfs, systemd, sshd = (self.marks[event][0] for event in (INITRAMFS, SYSTEMD, SSHD))
+        initramfs, systemd = (self.marks[event][0] for event in (INITRAMFS, SYSTEMD))
         values = (
             self.qemu_started - self.started,
             kernel - self.qemu_started,
@@ -223,13 +226,18 @@ def cold(state: Path, env: dict[str, str], tag: str) -> dict[str, Any]:
             ("time", "sudo -n systemctl is-system-running --wait >/dev/null; systemd-analyze time"),
             ("blame", "systemd-analyze blame --no-pager | head -n 12"),
             ("critical_chain", "systemd-analyze critical-chain --no-pager ssh.service"),
+            # systemd's clock (since boot, in microseconds) when sshd said it was ready: the
+            # guest's console line says so a process start later, and the SSH wait knocks
+            # without waiting for that line
+            ("sshd_ready_us", "systemctl show -p ActiveEnterTimestampMonotonic --value ssh"),
         ):
             exec_argv = [common.VMSANDBOX, "exec", name, "--", "sh", "-c", command]
             done = common.run(exec_argv, env=env, ok=(0, 1))
             analyze[key] = (done.stdout + done.stderr).strip()
     finally:
         common.destroy_sandbox(name, env)
-    stages = clock.stages(ended)
+    ready_us = analyze.get("sshd_ready_us", "")
+    stages = clock.stages(ended, int(ready_us) / 1e6 if ready_us.isdigit() else None)
     return {
         "seconds": round(ended - clock.started, 3),
         "stages": stages,
