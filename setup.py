@@ -30,6 +30,11 @@ DATA = [*TOP, *(f"vmsandbox._data.images.{sub}" for sub in find_namespace_packag
 setup(
     packages=[*find_packages(include=["vmsandbox", "vmsandbox.*"]), *DATA],
     package_dir=TOP,
-    package_data={"vmsandbox": ["py.typed"], **{package: ["*"] for package in DATA}},
+    package_data={
+        "vmsandbox": ["py.typed"],
+        # guest programs that are not Python (guest/programs/firstboot_lean.sh)
+        "vmsandbox.guest.programs": ["*.sh"],
+        **{package: ["*"] for package in DATA},
+    },
     cmdclass={"build_py": BuildWithStubs},
 )

@@ -36,8 +36,11 @@ import common
 
 TARGET_RATIO = 1.05
 BOOT_TIMEOUT_S = 900.0
-# systemd's line, with the colour codes it writes on a serial console
-SSHD_STARTED = re.compile(rb"Started (?:\x1b\[[0-9;]*m)?ssh\.service")
+# systemd's line, with the colour codes it writes on a serial console; the project's images boot
+# with "quiet" and say it in a line of their own
+SSHD_STARTED = re.compile(
+    rb"Started (?:\x1b\[[0-9;]*m)?ssh\.service|vmsandbox-boot: sshd is up at "
+)
 POLL_S = 0.05
 
 

@@ -20,7 +20,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
 from allocation import double_allocations, most_held  # noqa: E402
-from fast_start import floor_initramfs, floor_seconds  # noqa: E402
+from fast_start import STAGES, ConsoleClock, floor_initramfs, floor_seconds, markdown  # noqa: E402
 
 
 def run_bench(script: str, out: Path, *args: str) -> dict[str, Any]:
@@ -141,3 +141,62 @@ def test_the_boot_floor_initramfs_boots_the_image_kernel_and_powers_off(tmp_path
     assert floor_seconds(kernel, initrd, console=log) > 0
     text = log.read_text(errors="replace")
     assert "Kernel panic" not in text and "reboot: Power down" in text
+
+
+def test_fast_start_places_the_guests_clock_on_the_hosts(tmp_path: Path) -> None:
+    """The stages of a cold create from its console's "vmsandbox-boot" lines (a console and a
+    QEMU PID file of the test's own): they add up to the create's time; a console without
+    those lines gives none (the report then has the older images' stages)."""
+    console, pid_file = tmp_path / "console.log", tmp_path / "qemu.pid"
+    console.write_bytes(b"SeaBIOS (version 1.16.2)\r\n")
+    with ConsoleClock(console, pid_file) as clock:
+        pid_file.write_text(f"{os.getpid()}\n")  # this process stands in for QEMU
+        with console.open("ab") as handle:
+            handle.write(b"vmsandbox-boot: initramfs started at 0.50s\r\n")
+            handle.write(b"vmsandbox-firstboot: eth0 is up at 10.0.2.15/24\r\n")
+            handle.write(b"vmsandbox-boot: systemd starting at 0.70s\r\n")
+            handle.write(b"vmsandbox-boot: sshd is up at 1.50s\r\n")
+        ended = clock.started + 3.0
+    stages = clock.stages(ended)
+    assert list(stages) == list(STAGES)
+    assert (stages["kernel"], stages["initramfs"], stages["userspace until sshd"]) == (
+        0.5,
+        0.2,
+        0.8,
+    )
+    assert abs(sum(stages.values()) - 3.0) < 0.01
+    assert clock.marks["sshd is up"][0] == 1.5
+    # systemd's own time of sshd's start, where the bench could read it, comes first
+    assert clock.stages(ended, sshd=1.25)["userspace until sshd"] == 0.55
+    bare = tmp_path / "bare.log"
+    bare.write_bytes(b"[    0.000000] Linux version 6.1.0\r\n")
+    with ConsoleClock(bare, pid_file) as old:
+        pass
+    assert old.stages(old.started + 1.0) == {}
+    assert list(old.legacy_stages(old.started + 1.0)) == [
+        "kernel started",
+        "SSH ready (create returned)",
+    ]
+
+
+def test_fast_start_writes_its_report_as_the_performance_pages_section() -> None:
+    stages = {stage: 0.5 for stage in STAGES}
+    report = {
+        "rounds": 2,
+        "when": "2026-01-01T00:00:00Z",
+        "machine": {"cpus": 2, "cpu_model": "EPYC", "qemu": "QEMU 7.2", "load_average": [1.5]},
+        "checks": [
+            {"figure": "cold / floor", "value": 2.9, "target": "<= 3.00x", "met": True},
+            {"figure": "pool hit / floor", "value": 0.25, "target": "<= 0.20x", "met": False},
+        ],
+        "summary": {
+            "floor": {"mean": 1.6, "per_round": [1.5, 1.7]},
+            "cold": {"mean": 4.6, "ratio_per_round": [3.0, 2.8], "stages_mean": stages},
+            "hit": {"mean": 0.4, "ratio_per_round": [0.26, 0.24], "stages_mean": {"claim": 0.1}},
+        },
+    }
+    page = markdown(report)
+    assert "| boot floor, each round | 1.50 s, 1.70 s | - | - |" in page
+    assert "each round: 3.00x, 2.80x | **2.90x** (mean) | <= 3.00x | met |" in page
+    assert "| <= 0.20x | **missed** |" in page
+    assert "| userspace until sshd | 0.500 |" in page and "| claim | 0.100 |" in page

@@ -152,6 +152,10 @@ STATUS_SSHD = (
     "\x1b[0;1;39mssh.service\x1b[0m - OpenBSD Secure Shell server."
 )
 STATUS_ONLINE = "[  OK  ] Reached target network-online.target - Network is Online."
+# The project's images boot with "quiet": their own lines say it (images/minimal/lean.sh).
+LEAN_NIC = "vmsandbox-firstboot: eth0 is up at 10.0.2.15/24"
+LEAN_SSHD = "vmsandbox-boot: sshd is up at 2.71s"
+LEAN_ONLINE = "vmsandbox-boot: network is online at 4.02s"
 
 
 @pytest.mark.parametrize(
@@ -159,10 +163,13 @@ STATUS_ONLINE = "[  OK  ] Reached target network-online.target - Network is Onli
     [
         [STATUS_SSHD, STATUS_ONLINE],
         [STATUS_ONLINE, STATUS_SSHD],
+        # the lean boot: once its network is up (refused knocks cost it nothing)
+        ["vmsandbox-boot: initramfs started at 1.07s", LEAN_NIC],
+        [LEAN_SSHD, LEAN_ONLINE],  # a NIC left to udev and networkd
         ["[  OK  ] Reached target multi-user.target - Multi-User System."],  # both are behind it
     ],
 )
-def test_the_ssh_wait_is_let_through_once_the_console_says_sshd_and_network_are_up(
+def test_the_ssh_wait_is_let_through_once_the_console_says_the_guest_answers(
     tmp_path: Path, lines: list[str]
 ) -> None:
     watch, log = _watch(tmp_path, running=True)
@@ -176,6 +183,28 @@ def test_the_ssh_wait_is_let_through_once_the_console_says_sshd_and_network_are_
     with log.open("a") as handle:
         handle.write(f"{lines[-1]}\r\n")
     assert watch.sshd_reported()
+
+
+def test_the_boot_lines_give_each_event_in_the_guests_clock() -> None:
+    found = [
+        (m["event"], float(m["at"]))
+        for line in ("vmsandbox-boot: initramfs started at 1.07s", LEAN_SSHD, LEAN_NIC)
+        if (m := console.BOOT_MARK_RE.search(line))
+    ]
+    assert found == [("initramfs started", 1.07), ("sshd is up", 2.71)]
+
+
+def test_the_stage_names_the_lean_boots_lines(tmp_path: Path) -> None:
+    log = tmp_path / "console.log"
+    for line, stage in (
+        ("vmsandbox-boot: initramfs started at 1.07s", "initramfs"),
+        (LEAN_NIC, "first-boot unit running"),
+        ("vmsandbox-boot: systemd starting at 1.50s", "systemd starting"),
+        (LEAN_SSHD, "sshd up"),
+    ):
+        with log.open("a") as handle:
+            handle.write(f"{line}\r\n")
+        assert console.stage(log) == stage
 
 
 def test_a_lost_console_line_costs_the_grace_never_the_boot(

@@ -98,6 +98,13 @@ def test_user_network_forwards_ssh_on_loopback_only_and_restricts_the_guest():
     args = [a.get("value") for a in root.iter("{http://libvirt.org/schemas/domain/qemu/1.0}arg")]
     assert args[1] == "user,id=vmsbxnet0,hostfwd=tcp:127.0.0.1:40022-:22,restrict=on"
     assert args[3].startswith("virtio-net-pci,netdev=vmsbxnet0,bus=pcie.0")
+    assert args[3].endswith(",romfile=")  # no iPXE: a sandbox never boots from the network
+
+
+def test_a_libvirt_network_nic_has_no_option_rom_and_no_domain_has_usb():
+    root = parse(build_domain_xml(plan(network="default", ssh_port=None)))
+    assert root.find("devices/interface/rom").get("enabled") == "no"
+    assert root.find("devices/controller[@type='usb']").get("model") == "none"
 
 
 def test_kvm_gets_host_cpu_and_qemu_does_not():

@@ -1,7 +1,8 @@
 """The control channel (guest/programs/control.py in the guest, guest/control.py on the host), on
-the host: the guest's parser takes only ``hostname NAME`` with a sandbox name and runs no
-program; its answers and its writes go to a root folder of the test's own; the host's client
-talks to the guest's real request loop over a socket pair standing in for the virtio port.
+the host: the guest's parser takes only ``claim NAME`` and ``hostname NAME`` with a sandbox name
+and runs no program, and a claim is refused while sshd does not run; its answers and its writes
+go to a root folder of the test's own; the host's client talks to the guest's real request loop
+over a socket pair standing in for the virtio port.
 Its run in a real guest (the claim of a pooled guest) is covered by test_pool.py."""
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def test_the_guest_keeps_vmsandboxs_name_grammar() -> None:
 
 
 @pytest.mark.parametrize("name", ["x", "box-7", "a" * 48, "0sandbox0"])
-def test_a_sandbox_name_is_taken(name: str) -> None:
-    assert parse(f"hostname {name}\n".encode()) == name
+@pytest.mark.parametrize("verb", ["claim", "hostname"])
+def test_a_sandbox_name_is_taken(verb: str, name: str) -> None:
+    assert parse(f"{verb} {name}\n".encode()) == (verb, name)
 
 
 @pytest.mark.parametrize(
@@ -51,6 +53,8 @@ def test_a_sandbox_name_is_taken(name: str) -> None:
         (b"hostname $(reboot)\n", "is not a sandbox name"),
         (b"hostname x\r\n", "is not a sandbox name"),
         (b"hostname " + b"a" * 49 + b"\n", "is not a sandbox name"),
+        (b"claim x;reboot\n", "is not a sandbox name"),
+        (b"claim\n", "is not a sandbox name"),
         (b"HOSTNAME x\n", "unknown request 'HOSTNAME'"),
         (b"reboot\n", "unknown request 'reboot'"),
         (b"\n", "unknown request ''"),
@@ -59,11 +63,39 @@ def test_a_sandbox_name_is_taken(name: str) -> None:
 def test_anything_else_is_refused_with_why(line: bytes, why: str) -> None:
     with pytest.raises(RequestError, match=why.replace("(", r"\(").replace("$", r"\$")):
         parse(line)
-    assert answer(line, apply=_never).startswith(b"error: ")
+    assert answer(line, apply=_never, sshd=_running).startswith(b"error: ")
 
 
 def _never(name: str) -> None:
     raise AssertionError(f"a refused request reached the hostname: {name!r}")
+
+
+def _running() -> None:
+    return None
+
+
+def test_a_claim_takes_the_name_only_while_sshd_runs() -> None:
+    names: list[str] = []
+    assert answer(b"claim box\n", apply=names.append, sshd=_running) == b"ok\n"
+    dead = answer(b"claim box\n", apply=_never, sshd=lambda: "sshd is not running (no pid)")
+    assert dead == b"error: sshd is not running (no pid)\n"
+    # the hostname alone, as older hosts ask, does not look at sshd
+    assert answer(b"hostname box\n", apply=names.append, sshd=lambda: "dead") == b"ok\n"
+    assert names == ["box", "box"]
+
+
+def test_sshd_runs_when_its_pid_files_process_is_an_sshd(tmp_path: Path) -> None:
+    pid_file, proc = tmp_path / "sshd.pid", tmp_path / "proc"
+    assert "sshd is not running" in (guest_control.sshd_running(pid_file, proc) or "")
+    pid_file.write_text("123\n")
+    assert "sshd is not running" in (guest_control.sshd_running(pid_file, proc) or "")
+    (proc / "123").mkdir(parents=True)
+    (proc / "123" / "comm").write_text("bash\n")
+    assert "process 123 of" in (guest_control.sshd_running(pid_file, proc) or "")
+    (proc / "123" / "comm").write_text("sshd\n")
+    assert guest_control.sshd_running(pid_file, proc) is None
+    pid_file.write_text("garbage\n")
+    assert "sshd is not running" in (guest_control.sshd_running(pid_file, proc) or "")
 
 
 def test_no_shell_or_program_anywhere_in_the_guest_tool() -> None:
@@ -138,7 +170,7 @@ def channel(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
                 return
             with conn:
                 line = conn.makefile("rb").readline()
-                conn.sendall(answer(line, apply=names.append))
+                conn.sendall(answer(line, apply=names.append, sshd=_running))
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -155,6 +187,46 @@ def test_the_client_sets_the_hostname_and_tightens_the_socket(
     control.set_hostname(path, "box-1", guest="pool-ab12")
     assert names == ["box-1"]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_claim_sets_the_hostname(channel: tuple[Path, list[str]]) -> None:
+    path, names = channel
+    assert control.claim(path, "box-1", guest="pool-ab12") is True
+    assert names == ["box-1"]
+
+
+def _one_answer(path: Path, text: bytes) -> threading.Thread:
+    """A stand-in guest on ``path`` that answers one request with ``text``."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def reply() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.makefile("rb").readline()
+            conn.sendall(text)
+        server.close()
+
+    thread = threading.Thread(target=reply, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_guest_of_an_older_build_is_told_apart_from_a_refusal(tmp_path: Path) -> None:
+    """An older guest knows only ``hostname``: claim() says False (the caller falls back);
+    a guest whose sshd is dead refuses: FAILED_PRECONDITION with its answer."""
+    path = tmp_path / "control.sock"
+    old = b"error: unknown request 'claim' (the only one is 'hostname NAME')\n"
+    thread = _one_answer(path, old)
+    assert control.claim(path, "box", guest="pool-ab12") is False
+    thread.join()
+    path.unlink()
+    thread = _one_answer(path, answer(b"claim box\n", apply=_never, sshd=lambda: "sshd gone"))
+    with pytest.raises(FailedPrecondition, match=r"refused hostname 'box' .*sshd gone") as caught:
+        control.claim(path, "box", guest="pool-ab12")
+    thread.join()
+    assert caught.value.details["answer"] == "error: sshd gone"
 
 
 def test_the_client_refuses_a_bad_name_before_sending(channel: tuple[Path, list[str]]) -> None:

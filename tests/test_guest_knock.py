@@ -72,3 +72,40 @@ def test_no_connection_is_made_while_the_console_says_sshd_is_not_up(forward):
     with pytest.raises(DeadlineExceeded, match="did not accept SSH"):
         ssh.wait_ready(endpoint, keys, timeout=0.6, sshd_reported=lambda: False)  # type: ignore[arg-type]
     assert not accepted.wait(0.2)
+
+
+def _listener(answer: Callable[[int, socket.socket], None]) -> tuple[ssh.Endpoint, list[int]]:
+    """A listener that hands its n-th accepted connection (from 0) to ``answer``; the list
+    counts the connections."""
+    server = socket.create_server(("127.0.0.1", 0))
+    seen: list[int] = []
+
+    def serve() -> None:
+        with server:
+            while len(seen) < 20:
+                try:
+                    conn, _ = server.accept()
+                except OSError:
+                    return
+                seen.append(len(seen))
+                threading.Thread(target=answer, args=(seen[-1], conn), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return ssh.Endpoint("127.0.0.1", server.getsockname()[1], "sandbox"), seen
+
+
+def test_a_guest_that_says_its_network_is_up_is_knocked_one_at_a_time(forward):
+    """Refused knocks (sshd not listening yet) are followed by the next one soon; a knock sshd
+    took is waited for alone, never doubled while its banner is on the way."""
+
+    def answer(number: int, conn: socket.socket) -> None:
+        if number < 3:
+            conn.close()  # the guest's network refuses the port: sshd not up yet
+            return
+        threading.Event().wait(0.5)  # sshd starts a process for the connection
+        conn.sendall(BANNER)
+
+    endpoint, seen = _listener(answer)
+    sock = ssh._knock(endpoint, 5.0, every=0.05, at_once=1)
+    sock.close()
+    assert seen == [0, 1, 2, 3]

@@ -1,4 +1,5 @@
-"""The image store's build folders (vmsandbox.image.store), without building a recipe."""
+"""The image store's build folders (vmsandbox.image.store) and what a recipe adds to its guests'
+kernel command line, without building a recipe."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from vmsandbox.errors import FailedPrecondition
+from vmsandbox.image.build import KERNEL_CMDLINE, kernel_cmdline
+from vmsandbox.image.recipe import load_recipe
 from vmsandbox.image.store import ImageStore
 
 
@@ -62,3 +68,18 @@ def test_an_unchanged_recipe_makes_its_kept_build_current_again(tmp_path: Path) 
     assert store.get("img").path == forced.path
     assert store.reuse("img", "0000000000000000") is None
     assert store.get("img").id == forced.id
+
+
+def test_a_recipes_kernel_args_follow_vmsandboxs_own() -> None:
+    """The minimal image boots quiet, sshd first; the nvidia image keeps the plain line."""
+    minimal = kernel_cmdline(load_recipe("minimal"))
+    assert minimal == f"{KERNEL_CMDLINE} quiet systemd.unit=vmsandbox-sshd.target"
+    assert kernel_cmdline(load_recipe("nvidia")) == KERNEL_CMDLINE
+
+
+@pytest.mark.parametrize("args", ['"quiet"', '["quiet ro"]', "[1]", '[""]'])
+def test_kernel_args_are_a_list_of_words(tmp_path: Path, args: str) -> None:
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd/recipe.toml").write_text(f"kernel_args = {args}\n")
+    with pytest.raises(FailedPrecondition, match=r"recipe 'odd': kernel_args must be a list"):
+        load_recipe("odd", tmp_path)

@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 from vmsandbox import resources
+from vmsandbox.image.recipe import load_recipe, recipe_names
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,6 +55,13 @@ def test_the_wheel_ships_templates_and_recipes(tmp_path: Path) -> None:
     assert "vmsandbox/_data/images/minimal/recipe.toml" in shipped
     assert shipped <= names, sorted(shipped - names)
     assert {"vmsandbox/py.typed", "vmsandbox/guest/programs/cuda_smoke.py"} <= names
+    tools = {  # the guest programs recipes install, Python or not (firstboot_lean.sh)
+        f"vmsandbox/guest/programs/{tool.name}"
+        for name in recipe_names()
+        for tool in load_recipe(name).tools
+    }
+    assert "vmsandbox/guest/programs/firstboot_lean.sh" in tools
+    assert tools <= names, sorted(tools - names)
     stubs = {f"vmsandbox/openshell/proto/compute_driver_pb2{end}" for end in (".py", "_grpc.py")}
     assert stubs <= names, "the build did not generate the gRPC stubs"
 

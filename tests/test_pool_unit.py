@@ -262,13 +262,32 @@ def test_a_fill_replaces_guests_of_an_older_image_build(
 # -- the claim through the control channel ----------------------------------------------------
 
 
+# What a guest of an older build (its control channel knows only "hostname NAME") answers to a
+# claim request.
+OLDER_ANSWER = b"error: unknown request 'claim' (the only one is 'hostname NAME')\n"
+
+
 class FakeGuest:
     """What a claim talks to in a guest of an image with the control channel, on the host: the
     guest tool's own request handling behind the channel's socket (the names it would set are
-    recorded), and a paramiko SSH server showing ``host_key`` on the record's SSH port."""
+    recorded; ``sshd`` says whether its sshd runs; ``older``: a build whose channel knows only
+    the hostname request), and a paramiko SSH server showing ``host_key`` on the record's SSH
+    port (``ssh_knocks`` counts the connections it got)."""
 
-    def __init__(self, config: Config, guest: str, port: int, host_key: KeyPair) -> None:
+    def __init__(
+        self,
+        config: Config,
+        guest: str,
+        port: int,
+        host_key: KeyPair,
+        *,
+        sshd: bool = True,
+        older: bool = False,
+    ) -> None:
         self.names: list[str] = []
+        self.sshd_runs = sshd
+        self.older = older
+        self.ssh_knocks = 0
         self.control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.control.bind(str(config.sandboxes / guest / "control.sock"))
         self.control.listen(1)
@@ -283,15 +302,20 @@ class FakeGuest:
 
     def _serve_control(self) -> None:
         with contextlib.suppress(OSError):
-            conn, _ = self.control.accept()
-            with conn:
-                conn.sendall(
-                    guest_control.answer(conn.makefile("rb").readline(), self.names.append)
-                )
+            while True:
+                conn, _ = self.control.accept()
+                with conn:
+                    line = conn.makefile("rb").readline()
+                    if self.older and line.startswith(b"claim "):
+                        conn.sendall(OLDER_ANSWER)
+                        continue
+                    sshd = (lambda: None) if self.sshd_runs else (lambda: "sshd is not running")
+                    conn.sendall(guest_control.answer(line, self.names.append, sshd))
 
     def _serve_ssh(self, key: paramiko.PKey) -> None:
         with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
             conn, _ = self.sshd.accept()
+            self.ssh_knocks += 1
             transport = paramiko.Transport(conn)
             transport.add_server_key(key)
             transport.start_server(server=paramiko.ServerInterface())
@@ -316,11 +340,55 @@ def channel_guest(manager: SandboxManager, config: Config, hv: FakeHypervisor) -
     return pooled_guest(manager)
 
 
-def test_a_claim_sets_the_hostname_through_the_control_channel(
+def test_a_claim_is_one_request_on_the_control_channel(
     manager: SandboxManager, config: Config, hv: FakeHypervisor
 ) -> None:
-    """No SSH login: the name goes through the channel, and a key exchange proves the guest's
-    sshd shows the pinned host key."""
+    """No SSH at all: the guest takes the name once it has checked that its sshd runs (its
+    pinned host key was proven when it entered the pool); the sandbox says where the claim's
+    time went, step by step."""
+    guest = channel_guest(manager, config, hv)
+    dom = hv.domains[f"vmsbx-{guest}"]
+    assert dom.data is not None
+    fake = FakeGuest(config, guest, dom.data["ssh"]["port"], generate("h"))
+    try:
+        sandbox = manager.create(SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1))
+    finally:
+        fake.close()
+    assert (sandbox.name, sandbox.domain, sandbox.state) == ("hit", f"vmsbx-{guest}", "ready")
+    assert (fake.names, fake.ssh_knocks) == (["hit"], 0)
+    assert sandbox.stage_seconds is not None
+    assert list(sandbox.stage_seconds) == [
+        "host lock wait",
+        "reserve",
+        "claim",
+        "hostname",
+        "ready",
+    ]
+    assert all(seconds >= 0 for seconds in sandbox.stage_seconds.values())
+    assert sandbox.to_dict()["stage_seconds"] == sandbox.stage_seconds
+
+
+def test_a_claim_of_a_guest_whose_sshd_died_fails_and_leaves_nothing(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    guest = channel_guest(manager, config, hv)
+    dom = hv.domains[f"vmsbx-{guest}"]
+    assert dom.data is not None
+    fake = FakeGuest(config, guest, dom.data["ssh"]["port"], generate("h"), sshd=False)
+    try:
+        with pytest.raises(FailedPrecondition, match=r"refused hostname 'hit' .*sshd is not"):
+            manager.create(SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1))
+    finally:
+        fake.close()
+    assert fake.names == []
+    assert everything(config, hv) == []
+
+
+def test_a_claim_of_an_older_builds_guest_sets_the_hostname_and_proves_the_host_key(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    """A guest whose channel knows only the hostname request: the name goes through the
+    channel, and a key exchange proves the guest's sshd shows the pinned host key."""
     guest = channel_guest(manager, config, hv)
     dom = hv.domains[f"vmsbx-{guest}"]
     channel = etree.fromstring(dom.xml.encode()).find("devices/channel")
@@ -329,13 +397,13 @@ def test_a_claim_sets_the_hostname_through_the_control_channel(
     host = generate("h")
     (config.sandboxes / guest / "known_hosts").write_text(f"vmsbx-{guest} {host.public_openssh}\n")
     assert dom.data is not None
-    fake = FakeGuest(config, guest, dom.data["ssh"]["port"], host)
+    fake = FakeGuest(config, guest, dom.data["ssh"]["port"], host, older=True)
     try:
         sandbox = manager.create(SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1))
     finally:
         fake.close()
     assert (sandbox.name, sandbox.domain, sandbox.state) == ("hit", f"vmsbx-{guest}", "ready")
-    assert fake.names == ["hit"]
+    assert (fake.names, fake.ssh_knocks) == (["hit"], 1)
 
 
 def test_a_claim_whose_guest_shows_another_host_key_fails_and_leaves_nothing(
@@ -344,7 +412,8 @@ def test_a_claim_whose_guest_shows_another_host_key_fails_and_leaves_nothing(
     guest = channel_guest(manager, config, hv)
     dom = hv.domains[f"vmsbx-{guest}"]
     assert dom.data is not None
-    fake = FakeGuest(config, guest, dom.data["ssh"]["port"], generate("not the pinned one"))
+    pinned_not = generate("not the pinned one")
+    fake = FakeGuest(config, guest, dom.data["ssh"]["port"], pinned_not, older=True)
     try:
         with pytest.raises(HostKeyMismatch, match=f"not the key pinned for vmsbx-{guest}"):
             manager.create(SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1))

@@ -150,10 +150,6 @@ def _cmd_create(args: argparse.Namespace, out: Output) -> int:
             )
         sys.stdout.write(xml)
         return 0
-    if not args.no_wait:
-        from vmsandbox.guest import ssh
-
-        ssh.preload()
     with _manager(progress=True, reconcile=True) as manager:
         sandbox = manager.create(
             spec,
@@ -412,6 +408,9 @@ def _describe(data: dict[str, Any]) -> str:
     ]
     if data.get("boot_seconds") is not None:
         lines.append(f"boot:      SSH ready after {data['boot_seconds']}s")
+    if data.get("stage_seconds"):
+        steps = ", ".join(f"{step} {secs:.3f}s" for step, secs in data["stage_seconds"].items())
+        lines.append(f"claim:     {steps}")
     for gpu in data.get("gpus", []):
         lines.append(f"gpu:       {gpu.get('bdf')} {gpu.get('name') or ''}".rstrip())
     if data.get("verification"):

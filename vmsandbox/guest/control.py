@@ -1,10 +1,11 @@
-"""The host end of a guest's control channel: the one request a pool claim makes without SSH.
+"""The host end of a guest's control channel: the request a pool claim makes without SSH.
 
 Domains of images that serve it (programs/control.py, listed in the image's meta.json) have
 a virtio-serial port whose host end is a UNIX socket in the sandbox's private folder
-(``SandboxFiles.control``). One request exists: ``hostname NAME``, answered ``ok`` or
-``error: WHY``. Each call opens the socket, sends the request, reads one answer line within a
-short deadline and closes it.
+(``SandboxFiles.control``). Two requests exist, each answered ``ok`` or ``error: WHY``:
+``claim NAME`` (the hostname, once the guest has checked that its sshd runs) and ``hostname
+NAME`` (the hostname alone; guests of older builds know only this one). Each call opens the
+socket, sends the request, reads one answer line within a short deadline and closes it.
 """
 
 from __future__ import annotations
@@ -31,11 +32,41 @@ def restrict(path: Path) -> None:
             os.chmod(path, 0o600)
 
 
+# What a guest of an older build answers to ``claim``.
+UNKNOWN_CLAIM = "error: unknown request 'claim'"
+
+
+def claim(path: Path, name: str, *, guest: str, timeout: float | None = None) -> bool:
+    """Ask the guest behind ``path`` to take ``name`` as its hostname once it has checked that
+    its sshd runs: True when it did, False when the guest does not know the request (an older
+    build: the caller sets the hostname and checks sshd itself). Errors as ``set_hostname``'s
+    (FAILED_PRECONDITION when sshd does not run)."""
+    text = _request(path, "claim", name, guest=guest, timeout=timeout)
+    if text.startswith(UNKNOWN_CLAIM):
+        return False
+    _check(text, name, guest, path)
+    return True
+
+
 def set_hostname(path: Path, name: str, *, guest: str, timeout: float | None = None) -> None:
     """Ask the guest behind ``path`` to take ``name`` as its hostname. INVALID_ARGUMENT for a
     name outside the grammar, DEADLINE_EXCEEDED when no answer comes within ``timeout``
     (TIMEOUT_S by default), FAILED_PRECONDITION when the socket is not there or the guest
     answers an error."""
+    _check(_request(path, "hostname", name, guest=guest, timeout=timeout), name, guest, path)
+
+
+def _check(text: str, name: str, guest: str, path: Path) -> None:
+    if text != "ok":
+        raise FailedPrecondition(
+            f"guest {guest!r} refused hostname {name!r} on its control channel: "
+            f"{text or 'no answer (the channel closed)'}",
+            details={"guest": guest, "socket": str(path), "answer": text},
+        )
+
+
+def _request(path: Path, verb: str, name: str, *, guest: str, timeout: float | None) -> str:
+    """The guest's answer line to ``verb NAME``, stripped."""
     validate_name(name)
     timeout = TIMEOUT_S if timeout is None else timeout
     details = {"guest": guest, "socket": str(path)}
@@ -56,7 +87,7 @@ def set_hostname(path: Path, name: str, *, guest: str, timeout: float | None = N
         try:
             sock.settimeout(timeout)
             sock.connect(str(path))
-            sock.sendall(f"hostname {name}\n".encode())
+            sock.sendall(f"{verb} {name}\n".encode())
             answer = b""
             while not answer.endswith(b"\n") and len(answer) < ANSWER_MAX:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -74,10 +105,4 @@ def set_hostname(path: Path, name: str, *, guest: str, timeout: float | None = N
                 f"the control channel of guest {guest!r} failed: {exc.strerror or exc}",
                 details=details,
             ) from exc
-    text = answer.decode("ascii", errors="replace").strip()
-    if text != "ok":
-        raise FailedPrecondition(
-            f"guest {guest!r} refused hostname {name!r} on its control channel: "
-            f"{text or 'no answer (the channel closed)'}",
-            details={**details, "answer": text},
-        )
+    return answer.decode("ascii", errors="replace").strip()

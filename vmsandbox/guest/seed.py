@@ -2,10 +2,16 @@
 
 user-data is written as JSON after the ``#cloud-config`` line: JSON is YAML, and ``json.dumps``
 quotes every value, so no name or key can inject configuration.
+
+A seed that asks for no guest setup and a static NIC also carries ``vmsandbox-firstboot``: the
+same values as plain "key value" lines, which the project's minimal image applies in its
+initramfs without starting an interpreter (guest/programs/firstboot_lean.sh). cloud-init and the
+Python first-boot unit never read it.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import tempfile
@@ -16,6 +22,9 @@ from vmsandbox.errors import FailedPrecondition
 from vmsandbox.guest.keys import KeyPair, write_private
 from vmsandbox.guest.setup import GuestSetup
 from vmsandbox.tools import write_with_tool
+
+# The sandbox user's sudo rule.
+SUDO_RULE = "ALL=(ALL) NOPASSWD:ALL"
 
 
 def user_data(
@@ -31,7 +40,7 @@ def user_data(
             {
                 "name": user,
                 "shell": "/bin/bash",
-                "sudo": "ALL=(ALL) NOPASSWD:ALL",
+                "sudo": SUDO_RULE,
                 "lock_passwd": True,
                 "ssh_authorized_keys": [client.public_openssh],
             }
@@ -67,6 +76,54 @@ def network_config(mac: str, *, user_net: bool) -> dict[str, Any]:
     return {"version": 2, "ethernets": {"eth0": nic}}
 
 
+LEAN_FILE = "vmsandbox-firstboot"
+LEAN_FORMAT = 1
+
+
+def lean_lines(
+    instance_id: str, hostname: str, user: str, client: KeyPair, host: KeyPair, network: dict
+) -> str | None:
+    """The ``vmsandbox-firstboot`` file of a seed without guest setup: None when the network is
+    not one static NIC (DHCP is the Python unit's: it turns on a resolver) or a value would
+    not fit on its line (the Python unit then refuses the seed by name)."""
+    nics = list(network.get("ethernets", {}).values())
+    if len(nics) != 1 or nics[0].get("dhcp4") or len(nics[0].get("addresses", ())) != 1:
+        return None
+    nic = nics[0]
+    public = (
+        host.public_openssh if host.public_openssh.endswith("\n") else host.public_openssh + "\n"
+    )
+    fields = [
+        ("format", str(LEAN_FORMAT)),
+        ("instance-id", instance_id),
+        ("hostname", hostname),
+        ("user", f"{user} /bin/bash"),
+        ("sudo", SUDO_RULE),
+        ("authorized-key", client.public_openssh),
+        ("host-key", f"ssh_host_ed25519_key {_b64(host.private_openssh)}"),
+        ("host-key", f"ssh_host_ed25519_key.pub {_b64(public)}"),
+        (
+            "nic",
+            " ".join(
+                [
+                    nic["match"]["macaddress"].lower(),
+                    nic.get("set-name", "eth0"),
+                    nic["addresses"][0],
+                    nic.get("gateway4", ""),
+                    *nic.get("nameservers", {}).get("addresses", []),
+                ]
+            ),
+        ),
+    ]
+    if any(not value or any(c in value for c in "\n\r\0") for _key, value in fields):
+        return None
+    return "".join(f"{key} {value}\n" for key, value in fields)
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
 def write_seed(
     path: Path,
     *,
@@ -95,6 +152,10 @@ def write_seed(
             "meta-data": json.dumps(meta_data(instance_id, hostname)) + "\n",
             "network-config": json.dumps(network) + "\n",
         }
+        if guest is None:
+            lean = lean_lines(instance_id, hostname, user, client, host, network)
+            if lean is not None:
+                files[LEAN_FILE] = lean
         for name, text in files.items():
             write_private(Path(tmp) / name, text)
         write_with_tool(

@@ -13,7 +13,6 @@ import select
 import shlex
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,14 +35,6 @@ def _paramiko() -> Any:
     import paramiko
 
     return paramiko
-
-
-def preload() -> threading.Thread:
-    """Import paramiko in a thread of its own, while the caller waits on libvirtd: a pool hit
-    needs it a fraction of a second after the process starts, and the import takes ~0.1 s."""
-    thread = threading.Thread(target=_paramiko, name="preload-paramiko", daemon=True)
-    thread.start()
-    return thread
 
 
 @dataclass(frozen=True)
@@ -156,13 +147,16 @@ def connect(endpoint: Endpoint, keys: SandboxKeys, timeout: float = 10.0) -> par
 # KNOCK_WAIT_S without a word, and the ones left when a banner comes are closed unread.
 # A knock the forward has taken is delivered to the guest even after it is closed here, and each
 # one that arrives once sshd listens costs a whole sshd start in the guest, on the vCPU the boot
-# needs. So for a guest whose console says when sshd has started (the project's images), the
+# needs. So for a guest whose console says when it can be knocked at (the project's images: once
+# sshd has started and the network is up, or, in their lean boot, once the network is up), the
 # wait makes no connection until then (``sshd_reported``), and knocks every KNOCK_REPORTED_S
-# after it: its network is up by then, and the first knock is answered.
+# after it, one at a time: the guest answers each knock from then on, a refusal at once (it
+# starts nothing there), or sshd's banner once sshd has started a process for it, which a
+# second knock meanwhile would only double.
 KNOCK_EVERY_S = 0.5
 KNOCK_WAIT_S = 5.0
 KNOCKS_OPEN = 8
-KNOCK_REPORTED_S = 1.0
+KNOCK_REPORTED_S = 0.1
 GATE_POLL_S = 0.05
 
 
@@ -170,10 +164,12 @@ class _Silent(Exception):
     """No connection got an answer from the guest within the wait given."""
 
 
-def _knock(endpoint: Endpoint, wait: float, every: float = KNOCK_EVERY_S) -> socket.socket:
+def _knock(
+    endpoint: Endpoint, wait: float, every: float = KNOCK_EVERY_S, at_once: int = KNOCKS_OPEN
+) -> socket.socket:
     """A connection on which sshd's banner has arrived (peeked at, left for paramiko to read),
-    knocking every ``every`` seconds. _Silent when none had one within ``wait``; the last error
-    when every connection failed."""
+    knocking every ``every`` seconds with at most ``at_once`` connections open. _Silent when
+    none had one within ``wait``; the last error when every connection failed."""
     knocks: dict[socket.socket, float] = {}  # connection -> when it is given up
     deadline = time.monotonic() + wait
     next_knock = 0.0
@@ -181,7 +177,7 @@ def _knock(endpoint: Endpoint, wait: float, every: float = KNOCK_EVERY_S) -> soc
     try:
         while True:
             now = time.monotonic()
-            if now >= next_knock and len(knocks) < KNOCKS_OPEN:
+            if now >= next_knock and len(knocks) < at_once:
                 next_knock = now + every
                 try:
                     sock = socket.create_connection((endpoint.host, endpoint.port), timeout=wait)
@@ -193,7 +189,7 @@ def _knock(endpoint: Endpoint, wait: float, every: float = KNOCK_EVERY_S) -> soc
             for sock in [sock for sock, until in knocks.items() if until <= now]:
                 del knocks[sock]
                 sock.close()
-            room = len(knocks) < KNOCKS_OPEN
+            room = len(knocks) < at_once
             pause = max(0.0, next_knock - now) if room else every
             ready, _, _ = select.select(list(knocks), [], [], min(pause, deadline - now))
             for sock in ready:
@@ -263,9 +259,9 @@ def wait_ready(
         if sshd_reported is not None and not _gate_opens(sshd_reported, min(1.0, deadline - now)):
             continue
         wait = min(5.0, max(0.5, deadline - now))
-        every = KNOCK_EVERY_S if sshd_reported is None else KNOCK_REPORTED_S
+        knocking = (KNOCK_EVERY_S, KNOCKS_OPEN) if sshd_reported is None else (KNOCK_REPORTED_S, 1)
         try:
-            sock = _knock(endpoint, wait, every)
+            sock = _knock(endpoint, wait, *knocking)
             client = _client(endpoint, keys, timeout=wait, sock=sock)
         except _Silent:
             last_error = "no answer from the guest"

@@ -86,12 +86,18 @@ def build_recipe(recipe: Recipe, tmp: Path, progress: Progress) -> dict[str, Any
         "kernel": "vmlinuz",
         "initrd": "initrd.img",
         "kernel_version": kernel_version,
-        "cmdline": KERNEL_CMDLINE,
+        "cmdline": kernel_cmdline(recipe),
         "packages": packages,
         "nvidia_driver_version": nvidia_driver,
         # what vmsandbox may rely on in the guest (control.py: the control channel's server)
         "guest_tools": [tool.name for tool in recipe.tools],
     }
+
+
+def kernel_cmdline(recipe: Recipe) -> str:
+    """The kernel command line of the recipe's guests: vmsandbox's own, then the recipe's
+    ``kernel_args``."""
+    return " ".join([KERNEL_CMDLINE, *recipe.kernel_args])
 
 
 def _mmdebstrap_message(line: str) -> str | None:

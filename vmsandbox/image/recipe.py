@@ -36,6 +36,12 @@ class Recipe:
     tools: tuple[Path, ...] = ()
 
     @property
+    def kernel_args(self) -> tuple[str, ...]:
+        """Words added to the kernel command line of the image's guests (recipe key
+        ``kernel_args``), after vmsandbox's own (build.KERNEL_CMDLINE)."""
+        return tuple(self.data.get("kernel_args", ()))
+
+    @property
     def hash(self) -> str:
         digest = hashlib.sha256(f"vmsandbox-image-builder {BUILDER_VERSION}\n".encode())
         for part in (self.path / "recipe.toml", *self.scripts, *self.tools):
@@ -64,6 +70,13 @@ def load_recipe(name: str, recipe_dir: Path = RECIPE_DIR) -> Recipe:
         if tool.parent != GUEST_TOOLS or not tool.is_file():
             raise FailedPrecondition(
                 f"recipe {name!r} names a missing guest tool {tool.name!r} "
-                f"(one of vmsandbox/guest/programs/*.py)"
+                f"(one of the files of vmsandbox/guest/programs)"
             )
+    args = data.get("kernel_args", [])
+    if not isinstance(args, list) or not all(
+        isinstance(arg, str) and arg and arg.split() == [arg] for arg in args
+    ):
+        raise FailedPrecondition(
+            f"recipe {name!r}: kernel_args must be a list of words (no spaces), got {args!r}"
+        )
     return Recipe(name=name, path=path, data=data, scripts=scripts, tools=tools)

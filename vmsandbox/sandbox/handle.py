@@ -31,6 +31,8 @@ class Sandbox:
     labels: dict[str, str] = field(default_factory=dict)
     verification: dict[str, Any] | None = None
     boot_seconds: float | None = None
+    # A pool claim's steps, seconds each: where its time went (None for other creates).
+    stage_seconds: dict[str, float] | None = None
     failure: dict[str, str] | None = None  # state failed: {code, message} of why (power.wait)
     generation: str | None = None  # the OpenShell gateway's last start generation (record.py)
 
@@ -82,6 +84,7 @@ class Sandbox:
             "labels": self.labels,
             "verification": self.verification,
             "boot_seconds": self.boot_seconds,
+            "stage_seconds": self.stage_seconds,
             "failure": self.failure,
             "generation": self.generation,
         }

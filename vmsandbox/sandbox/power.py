@@ -41,8 +41,8 @@ def stop(hypervisor: Hypervisor, domain: str, *, grace: float) -> None:
 
     A press is lost when nothing in the guest listens yet: a guest that has just answered SSH
     may still be loading its ACPI button driver or starting logind (the project's lean images
-    coldplug the button and start logind after sshd), and a stop right after a create must not
-    wait out the whole grace."""
+    start both after sshd), and a stop right after a create must not wait out the whole
+    grace."""
     start = time.monotonic()
     deadline = start + grace
     presses = 0

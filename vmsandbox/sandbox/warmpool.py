@@ -33,6 +33,7 @@ from vmsandbox.guest.ssh import Endpoint
 from vmsandbox.sandbox import gpuclaim, lifecycle
 from vmsandbox.sandbox.pool import NoPooledGuest, PoolFull, fits, holds, is_pool_guest, shape_spec
 from vmsandbox.sandbox.record import STATE_CREATING, STATE_POOLED, SandboxFiles, SandboxRecord
+from vmsandbox.sandbox.timing import StepTimes
 from vmsandbox.vm import virt
 from vmsandbox.vm.process import ProcessIdentity
 
@@ -65,7 +66,10 @@ def _settle(c: lifecycle.Creation) -> None:
         return
     assert c.record is not None and c.endpoint is not None  # made by define and wait
     keys = c.files.keys(c.record.host_key_alias)
-    command = "command -v systemctl >/dev/null && systemctl is-system-running --wait"
+    # As root first: the user's systemctl needs the system bus, which the project's images
+    # start after sshd (it fails at once while the bus is not up); root's talks to systemd.
+    wait = "systemctl is-system-running --wait"
+    command = f"command -v systemctl >/dev/null && {{ sudo -n {wait} || {wait}; }}"
     ssh.run(c.endpoint, keys, f"{command} >/dev/null 2>&1; true", timeout=c.timeout or 300)
 
 
@@ -102,15 +106,19 @@ def _claim(c: lifecycle.Creation) -> None:
 
 def _hostname(c: lifecycle.Creation) -> None:
     """Give the claimed guest the sandbox's name as its hostname: through its control channel
-    where it has one, while a key exchange proves that its sshd answers with the pinned host
-    key; otherwise (stock or imported images, guests pooled before the channel) over SSH."""
+    where it has one, which checks that sshd still runs (its pinned host key was proven when
+    the guest entered the pool); a guest of an older build that does not check it gets the
+    hostname while a key exchange proves that its sshd answers with the pinned host key.
+    Otherwise (stock or imported images, guests pooled before the channel) over SSH."""
     assert c.record is not None  # made by the claim step
     ssh = c.record.ssh
     assert ssh.port is not None  # pooled guests were waited for: their endpoint is known
     c.endpoint = Endpoint(ssh.host, ssh.port, ssh.user)
     keys = c.files.keys(c.record.host_key_alias)
     started = time.monotonic()
-    if c.files.control.exists():
+    if not c.files.control.exists():
+        _hostname_over_ssh(c, keys)
+    elif not control.claim(c.files.control, c.name, guest=c.files.name):
         proof = _Proof(c.endpoint, keys)
         proof.start()
         try:
@@ -119,8 +127,6 @@ def _hostname(c: lifecycle.Creation) -> None:
             proof.join()
         if proof.error is not None:
             raise proof.error
-    else:
-        _hostname_over_ssh(c, keys)
     c.boot_seconds = round(time.monotonic() - started, 3)
 
 
@@ -281,14 +287,16 @@ class WarmPool:
         creation = self.claiming(shape, spec, name, image, say)
         creation.verify = verify
         steps = GPU_CLAIM_STEPS if spec.gpu is not None else CLAIM_STEPS
+        timing = StepTimes(m.checkpoint)
         try:
-            lifecycle.run(steps, creation, m.locked, m.checkpoint)
+            lifecycle.run(steps, creation, m.locked, timing)
         except NoPooledGuest:
             say(f"no pooled guest of shape {shape.key!r} is ready; booting one")
             return None
         assert creation.record is not None  # made by the claim step
         sandbox = m.store.view(creation.record, creation.state)
         sandbox.boot_seconds = creation.boot_seconds
+        sandbox.stage_seconds = timing.seconds
         say(f"sandbox {name} is {creation.state} (pooled guest {creation.files.name})")
         return sandbox
 

@@ -137,11 +137,14 @@ def _add_control(devices: etree._Element, path: Path) -> None:
 
 
 def _add_network(root: etree._Element, devices: etree._Element, plan: DomainPlan) -> None:
+    """The NIC, without an option ROM: sandboxes never boot from the network, and SeaBIOS
+    starting iPXE's (its banner, its PCI setup) was part of every boot under TCG."""
     if plan.network != "user":
         iface = etree.SubElement(devices, "interface", type="network")
         etree.SubElement(iface, "mac", address=plan.mac)
         etree.SubElement(iface, "source", network=plan.network)
         etree.SubElement(iface, "model", type="virtio")
+        etree.SubElement(iface, "rom", enabled="no")
         devices.find("serial").addprevious(iface)
         return
     if plan.ssh_port is None:
@@ -150,6 +153,7 @@ def _add_network(root: etree._Element, devices: etree._Element, plan: DomainPlan
     if not plan.guest_outbound:
         netdev += ",restrict=on"
     device = f"virtio-net-pci,netdev=vmsbxnet0,bus=pcie.0,addr={USER_NET_SLOT},mac={plan.mac}"
+    device += ",romfile="
     commandline = etree.SubElement(root, f"{{{QEMU_NS}}}commandline")
     for value in ("-netdev", netdev, "-device", device):
         etree.SubElement(commandline, f"{{{QEMU_NS}}}arg", value=value)

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""vmsandbox's control channel in the guest: the one request a pool claim makes, without SSH.
+"""vmsandbox's control channel in the guest: the request a pool claim makes, without SSH.
 
 Baked into the project's own images as /usr/lib/vmsandbox/control.py (compiled there to
 control.pyc) and run as root by ``vmsandbox-control.service`` once sshd has started. It serves
@@ -8,10 +8,12 @@ sandbox's private folder that only vmsandbox (root) opens. A claim of a pooled g
 new hostname through it: a few milliseconds, where an SSH login, a shell and sudo took half a
 second under TCG.
 
-It accepts exactly one request, one line: ``hostname NAME`` with NAME in vmsandbox's sandbox
-name grammar (lowercase letters, digits and inner dashes, at most 48), and answers ``ok`` or
-``error: WHY``. Nothing it reads reaches a shell or a program: the name is written to
-/proc/sys/kernel/hostname, /etc/hostname and /etc/hosts by this program itself. Standard
+It accepts two requests, one line each, with NAME in vmsandbox's sandbox name grammar (lowercase
+letters, digits and inner dashes, at most 48), and answers ``ok`` or ``error: WHY``:
+``claim NAME`` (a claim: the guest takes NAME as its hostname once it has checked that its sshd
+runs, so a guest whose sshd has died is never handed out) and ``hostname NAME`` (the hostname
+alone, as older hosts ask). Nothing it reads reaches a shell or a program: the name is written
+to /proc/sys/kernel/hostname, /etc/hostname and /etc/hosts by this program itself. Standard
 library only: it runs with ``python3 -I -S``.
 """
 
@@ -32,6 +34,8 @@ PORT_NAME = "org.vmsandbox.control.0"
 NAME_MAX = 48
 NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\Z")
 REQUEST_MAX = 128  # bytes of one request line, newline included
+VERBS = ("claim", "hostname")
+SSHD_PID_FILE = Path("/run/sshd.pid")  # sshd's PidFile (Debian's default)
 PORT_WAIT_S = 30.0
 POLL_S = 0.1
 # While the host end is closed, a read returns at once: the program waits for the kernel's
@@ -43,8 +47,8 @@ class RequestError(Exception):
     """A request this program refuses: the message says why (it goes back to the host)."""
 
 
-def parse(line: bytes) -> str:
-    """The hostname a request line asks for; RequestError for anything else."""
+def parse(line: bytes) -> tuple[str, str]:
+    """The verb and the hostname a request line asks for; RequestError for anything else."""
     if not line.endswith(b"\n"):
         raise RequestError("a request is one line ending in a newline")
     try:
@@ -52,14 +56,28 @@ def parse(line: bytes) -> str:
     except UnicodeDecodeError as exc:
         raise RequestError("a request is ASCII text") from exc
     verb, _, name = text.partition(" ")
-    if verb != "hostname":
-        raise RequestError(f"unknown request {verb[:20]!r} (the only one is 'hostname NAME')")
+    if verb not in VERBS:
+        raise RequestError(
+            f"unknown request {verb[:20]!r} (they are 'claim NAME', 'hostname NAME')"
+        )
     if not name or len(name) > NAME_MAX or not NAME_RE.match(name):
         raise RequestError(
             f"hostname {name[: NAME_MAX + 1]!r} is not a sandbox name (1-{NAME_MAX} lowercase "
             "letters, digits and inner dashes)"
         )
-    return name
+    return verb, name
+
+
+def sshd_running(pid_file: Path = SSHD_PID_FILE, proc: Path = Path("/proc")) -> str | None:
+    """None when the process of sshd's PID file is an sshd; else why not."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        command = (proc / str(pid) / "comm").read_text().strip()
+    except (OSError, ValueError) as exc:
+        return f"sshd is not running ({pid_file}: {getattr(exc, 'strerror', None) or exc})"
+    if command != "sshd":
+        return f"sshd is not running (process {pid} of {pid_file} is {command!r})"
+    return None
 
 
 def _replace(path: Path, text: str) -> None:
@@ -87,10 +105,17 @@ def set_hostname(
     kernel.write_text(name)
 
 
-def answer(line: bytes, apply: Callable[[str], None] = set_hostname) -> bytes:
+def answer(
+    line: bytes,
+    apply: Callable[[str], None] = set_hostname,
+    sshd: Callable[[], str | None] = sshd_running,
+) -> bytes:
     """The answer line to one request line."""
     try:
-        name = parse(line)
+        verb, name = parse(line)
+        problem = sshd() if verb == "claim" else None
+        if problem is not None:
+            return f"error: {problem}\n".encode()
         apply(name)
     except RequestError as exc:
         return f"error: {exc}\n".encode()
