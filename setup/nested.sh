@@ -179,6 +179,7 @@ boot() {
   mkdir -p "$STATE/run"
   chmod 0700 "$STATE"
   echo "$nested" > "$STATE/image"
+  echo "$nested $minimal" > "$STATE/images"  # what a snapshot of this L1 holds (see `cmd_start`)
   ssh-keygen -q -t ed25519 -N '' -C vmsandbox-nested -f "$STATE/id_ed25519"
   ssh-keygen -q -t ed25519 -N '' -C vmsandbox-nested-host -f "$STATE/host_ed25519_key"
   free_port > "$STATE/port"
@@ -233,10 +234,11 @@ cmd_start() {
   local started=$SECONDS
   if running && ssh_l1 true 2>/dev/null; then
     say "reusing the running L1 (pid $(cat "$STATE/qemu.pid"))"
-  elif [ -f "$STATE/snap/state" ]; then
+  elif [ -f "$STATE/snap/state" ] && [ "$(cat "$STATE/images" 2>/dev/null)" = "$(image_path nested) $(image_path minimal)" ]; then
     say "starting a pristine L1 from the snapshot"
     restore
   else
+    [ ! -f "$STATE/snap/state" ] || say "the images changed since L1's snapshot was saved: booting L1 cold"
     kill_l1
     boot
   fi
