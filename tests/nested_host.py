@@ -54,6 +54,11 @@ L1_TRIES = 3  # L1s one step may use
 BUDGET = float(os.environ.get("VMSANDBOX_NESTED_BUDGET", 15 * 60))  # the module's, retries included
 START_LIMIT = 3600.0  # one start of L1, a cold boot on a loaded machine included
 POLL = 0.5
+# The last lines of every L2 console in L1 (vmsandbox's state folder there), for the log folder.
+L2_CONSOLES = (
+    'for f in /var/lib/vmsandbox/sandboxes/*.console.log; do [ -f "$f" ] || continue;'
+    ' echo "== $f"; tail -n 40 "$f"; done'
+)
 # vmsandbox's progress line while it waits for a guest: seconds waited and the guest's stage
 # What setup/nested.sh says for each way it starts an L1 (else it booted one cold).
 BOOTS = (("from the snapshot", "restored"), ("reusing the running L1", "reused"))
@@ -163,6 +168,7 @@ class Running:
         self.host.check()
         crawl = self._l2_crawls()
         if crawl:
+            self.host.keep_l2_consoles()
             self.host.lose(crawl)
         if time.monotonic() > self.deadline:
             self.host.lose(f"'{' '.join(self.argv)[:80]}' ran past its {self.limit:.0f} s")
@@ -280,6 +286,18 @@ class NestedHost:
                 shutil.copy(self.console, self.log_dir / f"l1-{life.number}-console.log")
         self.kill()
         raise L1Lost(why)
+
+    def keep_l2_consoles(self) -> None:
+        """Copy the tails of L1's L2 consoles to the log folder (L1 is about to be killed)."""
+        life = self.lives[-1] if self.lives else None
+        if life is None:
+            return
+        try:
+            shown = self.exec_raw(["sh", "-c", L2_CONSOLES], timeout=HEARTBEAT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.log_dir / f"l1-{life.number}-l2-consoles.log").write_text(shown.stdout)
 
     def check(self) -> None:
         """Raise L1Lost if L1 is sick now, BudgetExhausted if the module's time is out."""

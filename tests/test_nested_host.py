@@ -155,6 +155,9 @@ def test_a_crawling_l2_and_a_command_past_its_limit_are_lost(
         "'sleep 30' ran past its 1 s",
         None,
     ]
+    # a crawl keeps the L2 consoles L1 had, for the lost L1's record
+    kept = sorted(path.name for path in host.log_dir.glob("*-l2-consoles.log"))
+    assert kept == ["l1-1-l2-consoles.log", "l1-2-l2-consoles.log"]
 
 
 def test_a_wrong_answer_from_a_healthy_l1_is_not_retried(host: NestedHost) -> None:
