@@ -161,3 +161,17 @@ def test_two_creates_at_once_on_a_fresh_host_run_one_probe(fresh: Config, tmp_pa
         for proc in (first, second):
             if proc is not None:
                 kill_session(proc)
+
+
+def test_the_cached_answer_outlives_a_change_of_dev_kvm_attributes(tmp_path: Path) -> None:
+    """libvirt changes /dev/kvm's attributes (its change time) when it starts a domain; the
+    cached answer must still hold then, or every create would probe again."""
+    cache = tmp_path / "virt-probe.json"
+    cache.write_text(json.dumps({"host": virt.host_key(), "kvm": True}))
+    if os.path.exists("/dev/kvm"):
+        mode = os.stat("/dev/kvm").st_mode
+        os.chmod("/dev/kvm", mode)  # the same mode: only the change time moves
+    assert virt.cached(cache=cache) == "kvm"
+    other_boot = virt.host_key().replace(virt.BOOT_ID.read_text().strip(), "another-boot")
+    cache.write_text(json.dumps({"host": other_boot, "kvm": True}))
+    assert virt.cached(cache=cache) is None  # a reboot asks again

@@ -3,7 +3,9 @@
 ``/dev/kvm`` existing is not enough: on some hosts (nested setups among them) KVM guests hang at
 their first instructions in long mode. ``auto`` therefore boots the image's kernel under KVM for
 a few seconds and looks for the kernel's first console line. The answer is cached per host
-(kernel release, QEMU binary and /dev/kvm identity) in the state directory.
+boot (kernel release, boot id, QEMU binary, /dev/kvm's device number) in the state directory.
+Not /dev/kvm's change time: libvirt changes it when it starts a domain, and the probe would run
+again for every create.
 
 The probe's QEMU must never outlive its caller or its time limit: on a host where KVM hangs, a
 QEMU left behind runs forever (nothing records it, so reconcile cannot find it). It therefore
@@ -73,17 +75,24 @@ def resolve(requested: str, *, cache: Path, kernel: Path | None, qemu: str = QEM
     return "kvm" if kvm_works(cache=cache, kernel=kernel, qemu=qemu) else "qemu"
 
 
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
 def host_key(qemu: str = QEMU) -> str:
+    """What the cached answer holds for: this boot of this kernel, this QEMU and /dev/kvm."""
     try:
-        kvm = os.stat("/dev/kvm")
-        kvm_id = f"{kvm.st_rdev}:{int(kvm.st_ctime)}"
+        kvm_id = str(os.stat("/dev/kvm").st_rdev)
     except OSError:
         kvm_id = "none"
+    try:
+        boot = BOOT_ID.read_text().strip()
+    except OSError:
+        boot = "none"
     try:
         qemu_id = str(int(os.stat(qemu).st_mtime))
     except OSError:
         qemu_id = "none"
-    return f"{os.uname().release}|{qemu_id}|{kvm_id}"
+    return f"{os.uname().release}|{boot}|{qemu_id}|{kvm_id}"
 
 
 def cached(*, cache: Path, qemu: str = QEMU) -> str | None:
