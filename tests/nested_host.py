@@ -48,8 +48,8 @@ SICK_CONSOLE = re.compile(
 HEARTBEAT_EVERY = 5.0  # seconds between two heartbeats
 HEARTBEAT_TIMEOUT = 15.0  # one heartbeat's own limit (a loaded machine answers in 1-3 s)
 HEARTBEAT_LOST = 45.0  # no heartbeat answered for this long: L1 hangs
-L2_STALL = 120.0  # an L2 whose boot stage has not moved for this long crawls (healthy: < 20 s)
-L2_CRAWL = 360.0  # and one still without SSH after this long (healthy: 45-70 s here)
+L2_STALL = 75.0  # an L2 whose boot stage has not moved for this long crawls (healthy: < 35 s)
+L2_CRAWL = 240.0  # and one still without SSH after this long (healthy: 15-60 s here)
 L1_TRIES = 3  # L1s one step may use
 BUDGET = float(os.environ.get("VMSANDBOX_NESTED_BUDGET", 15 * 60))  # the module's, retries included
 START_LIMIT = 3600.0  # one start of L1, a cold boot on a loaded machine included
@@ -362,14 +362,17 @@ class NestedHost:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def attempt(self, name: str, step: Callable[[], T], *, spoils_l1: bool = True) -> T:
+    def attempt(
+        self, name: str, step: Callable[[], T], *, spoils_l1: bool = True, pristine: bool = True
+    ) -> T:
         """Run ``step`` in an L1 that no earlier step spoiled (a pristine one when the running
         L1 is); when L1 is lost under it, run it again in another, up to ``L1_TRIES`` L1s.
         ``spoils_l1``: the step leaves L1 unfit for another (it starts KVM guests, which wear a
-        TCG L1 out, or breaks a card's host driver)."""
+        TCG L1 out, or breaks a card's host driver). ``pristine`` False: the step starts no KVM
+        guest and may run in a spoiled L1 that is still healthy (a fresh one if it was lost)."""
         for tries_left in range(L1_TRIES - 1, -1, -1):
             try:
-                if self.used or not self.lives or self.lives[-1].lost:
+                if (self.used and pristine) or not self.lives or self.lives[-1].lost:
                     self.boot("restart" if self.lives else "start")
                 life = self.lives[-1]
                 life.steps.append(name)

@@ -79,9 +79,10 @@ def test_a_healthy_step_runs_once_and_steps_that_spare_l1_share_it(host: NestedH
     assert host.attempt("b", lambda: host.run("true").returncode, spoils_l1=False) == 0
     assert host.attempt("c", lambda: host.run("true").returncode) == 0
     assert host.attempt("d", lambda: host.run("true").returncode) == 0
+    assert host.attempt("e", lambda: host.run("true").returncode, pristine=False) == 0
     assert [(life.how, life.steps, life.lost) for life in host.lives] == [
         ("cold boot", ["a", "b", "c"], None),
-        ("restored", ["d"], None),
+        ("restored", ["d", "e"], None),  # "e" needs no pristine L1: the spoiled one serves
     ]
 
 
