@@ -355,10 +355,19 @@ class NestedHost:
     ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` as root in L1, watched: its exit status, stdout and stderr."""
         running = self.start(*argv, limit=limit, stdin=stdin)
+        began = time.monotonic()
         try:
             return running.wait()
         finally:
             running.kill()
+            self.note(f"{time.monotonic() - began:6.1f} s  {' '.join(argv)[:120]}")
+
+    def note(self, line: str) -> None:
+        """Add ``line`` to commands.log in the log folder, marked with the L1 it ran in."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        number = self.lives[-1].number if self.lives else 0
+        with (self.log_dir / "commands.log").open("a") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} L1 #{number} {line}\n")
 
     # -- steps ---------------------------------------------------------------------------------
 
