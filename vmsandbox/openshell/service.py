@@ -1,15 +1,25 @@
 """The ``openshell.compute.v1.ComputeDriver`` RPCs, each mapped onto SandboxManager.
 
-- CreateSandbox defines the sandbox (GPUs chosen under the host lock), starts it and returns;
-  a background thread then waits for SSH and the in-guest GPU check (``SandboxManager.wait``),
-  whose outcome reaches the gateway as a snapshot on the watch stream. A start that libvirt
-  refuses (a GPU that cannot be passed through) removes the sandbox before the error returns.
+- Every request addresses a sandbox by the gateway's ``sandbox_id`` (kept as the label
+  ID_LABEL), never by name: only a sandbox this driver made (this state directory's, with that
+  id) is found, and the action then names its domain UUID, so a sandbox made since under the
+  same name is never touched. An empty id is INVALID_ARGUMENT; an unknown one NOT_FOUND.
+- CreateSandbox makes and starts the sandbox in one create (GPUs reserved under the host lock,
+  the record ``creating`` until QEMU runs, so a server killed meanwhile leaves it to
+  reconcile) and returns; a background thread then waits for SSH and the in-guest GPU check
+  (``SandboxManager.wait``), whose outcome reaches the gateway as a snapshot on the watch
+  stream. A failed create has taken itself apart; a reconcile runs behind it for whatever its
+  cleanup could not remove. At start the server reconciles, and waits again for the sandboxes
+  a killed server left started or starting.
 - Stop/Start map to ``SandboxManager.stop/start`` (disk and GPUs kept); Delete is idempotent
   (``deleted`` false when nothing was there).
 - WatchSandboxes sends every current sandbox, then one snapshot per libvirt event of a sandbox
   (``events.DomainEvents``) and a deleted event when its domain is undefined.
 - With a supervisor configured, every ready sandbox gets an SSH tunnel to the gateway
   (``tunnel.GatewayTunnels``).
+- Snapshots of ready sandboxes read their main process over SSH, several at once and briefly
+  (``_MAIN_QUERY_TIMEOUT``); a guest that does not answer, or drops the session, leaves that
+  condition out, never the snapshot.
 - EnsureWorkspace/DeleteWorkspace succeed with nothing to do: a vmsandbox host has no
   workspace-level resources.
 - AuthenticateSandbox answers the gateway id of the sandbox whose token the credential is,
@@ -21,11 +31,11 @@ vmsandbox errors keep their code: ``err.code`` is already a gRPC status code nam
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -33,22 +43,24 @@ import grpc
 import vmsandbox
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandboxError
+from vmsandbox.guest.ssh import run as ssh_run
 from vmsandbox.openshell.events import DomainEvent, EventSource
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
-from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, sandbox_name, translate
+from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, translate
 from vmsandbox.openshell.status import MAIN_QUERY, MainProcess, main_process, snapshot
 from vmsandbox.openshell.supervisor import Supervisor
 from vmsandbox.openshell.transitions import Transitions
 from vmsandbox.openshell.tunnel import GatewayTunnels
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.manager import SandboxManager
-from vmsandbox.sandbox.record import DOMAIN_PREFIX, STATE_READY
+from vmsandbox.sandbox.record import DOMAIN_PREFIX, STATE_READY, STATE_STARTED, STATE_STARTING
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _WATCH_TICK = 1.0  # seconds between checks that a watching gateway is still there
-_MAIN_QUERY_TIMEOUT = 20.0  # seconds for reading the main process's state over SSH
+_MAIN_QUERY_TIMEOUT = 5.0  # seconds for reading the main process's state over SSH
+_MAIN_QUERIES = 8  # main-process queries of one snapshot listing at once
 
 
 class ComputeDriver(pb_grpc.ComputeDriverServicer):
@@ -93,9 +105,19 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             with self._ids_lock:
                 self._ids[sandbox.domain] = sandbox.labels[ID_LABEL]
 
-    def _snapshot(self, manager: SandboxManager, sandbox: Sandbox) -> pb.DriverSandbox:
+    def _snapshot(
+        self, manager: SandboxManager, sandbox: Sandbox, main: MainProcess | None = None
+    ) -> pb.DriverSandbox:
         self._remember(sandbox)
-        return self.transitions.stamp(snapshot(sandbox, self._main_process(manager, sandbox)))
+        if main is None:
+            main = self._main_process(manager, sandbox)
+        return self.transitions.stamp(snapshot(sandbox, main))
+
+    def _snapshots(self, manager: SandboxManager, sandboxes: list[Sandbox]) -> list[Any]:
+        """Snapshots of ``sandboxes``, their main processes read in parallel."""
+        with ThreadPoolExecutor(max_workers=_MAIN_QUERIES) as pool:
+            mains = list(pool.map(lambda s: self._main_process(manager, s), sandboxes))
+        return [self._snapshot(manager, s, main) for s, main in zip(sandboxes, mains, strict=True)]
 
     def _main_process(self, manager: SandboxManager, sandbox: Sandbox) -> MainProcess | None:
         """The state of a ready sandbox's main process, read over SSH; None when it has none
@@ -103,52 +125,80 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         if sandbox.state != STATE_READY or sandbox.ssh is None:
             return None
         try:
-            shown = manager.exec(sandbox.name, MAIN_QUERY, timeout=_MAIN_QUERY_TIMEOUT)
-        except VmSandboxError:
+            keys = manager.keys_of(sandbox)
+            shown = ssh_run(sandbox.ssh, keys, MAIN_QUERY, timeout=_MAIN_QUERY_TIMEOUT)
+        except VmSandboxError as exc:
+            log.info("main process of %s: %s: %s", sandbox.name, exc.code, exc.message)
             return None
         return main_process(shown.stdout)
 
     def _ours(self, manager: SandboxManager) -> list[Sandbox]:
-        """The sandboxes this driver made (those carrying a gateway id)."""
-        return [sandbox for sandbox in manager.list() if sandbox.labels.get(ID_LABEL)]
+        """The sandboxes this driver made: this state directory's, carrying a gateway id."""
+        return [s for s in manager.list() if s.labels.get(ID_LABEL) and s.local]
 
-    def _find(self, manager: SandboxManager, sandbox_id: str, name: str) -> Sandbox:
-        """The sandbox a request names (by name, else by the gateway id); NOT_FOUND if none."""
-        wanted = sandbox_name(name, sandbox_id)
-        with contextlib.suppress(NotFound):
-            return manager.get(wanted)
+    def _find(self, manager: SandboxManager, sandbox_id: str) -> Sandbox:
+        """The sandbox with gateway id ``sandbox_id`` (never found by name: a name can be
+        another tenant's, or a later sandbox's); NOT_FOUND if none."""
+        if not sandbox_id:
+            raise InvalidArgument(
+                "sandbox_id is empty: the driver finds sandboxes by the gateway's id only",
+                details={"field": "sandbox_id"},
+            )
         for sandbox in self._ours(manager):
-            if sandbox_id and sandbox.labels.get(ID_LABEL) == sandbox_id:
+            if sandbox.labels.get(ID_LABEL) == sandbox_id:
                 return sandbox
         raise NotFound(
-            f"sandbox {name or sandbox_id!r} does not exist",
-            details={"sandbox_id": sandbox_id, "sandbox_name": name},
+            f"no sandbox with id {sandbox_id!r} was made by this driver",
+            details={"sandbox_id": sandbox_id},
         )
 
-    def _become_ready(self, name: str) -> None:
+    def _become_ready(self, name: str, uuid: str) -> None:
         """In the background: wait for SSH and the GPU check; the outcome lands in the
-        domain's record, which libvirt announces to the watchers."""
+        domain's record (failed, with the reason, whatever went wrong), which libvirt
+        announces to the watchers."""
 
         def run() -> None:
             try:
                 with self._manager() as manager:
+                    manager.store.require(name, uuid)  # still that sandbox
                     manager.wait(name)
                 log.info("sandbox %s is ready", name)
                 if self.tunnels is not None:
                     self.tunnels.ensure(name)
             except VmSandboxError as exc:
                 log.warning("sandbox %s did not become ready: %s: %s", name, exc.code, exc.message)
+            except Exception:  # a thread that dies silently would leave it "starting"
+                log.exception("sandbox %s: waiting for it failed", name)
 
         threading.Thread(target=run, name=f"ready-{name}", daemon=True).start()
 
-    def resume_tunnels(self) -> None:
-        """At start: a tunnel into every running sandbox of ours (a supervisor in each dials
-        the gateway through it)."""
-        if self.tunnels is None:
-            return
+    def _reconcile_behind(self) -> None:
+        """In the background: reconcile, for what a failed call's cleanup could not remove."""
+
+        def run() -> None:
+            try:
+                with self._manager() as manager:
+                    report = manager.reconcile()
+                if report["removed"] or report["problems"]:
+                    log.info("reconcile: %s", report)
+            except VmSandboxError as exc:
+                log.warning("reconcile: %s: %s", exc.code, exc.message)
+
+        threading.Thread(target=run, name="reconcile", daemon=True).start()
+
+    def resume(self) -> None:
+        """At start: reconcile (a killed server's half-made sandboxes), then wait again for
+        sandboxes of ours left started or starting by a server that is gone, and a tunnel
+        into every running sandbox of ours (a supervisor in each dials the gateway)."""
         with self._manager() as manager:
+            try:
+                manager.reconcile()
+            except VmSandboxError as exc:  # serving goes on; the next reconcile repairs
+                log.warning("reconcile at start: %s: %s", exc.code, exc.message)
             for sandbox in self._ours(manager):
-                if sandbox.state == STATE_READY:
+                if sandbox.state in (STATE_STARTED, STATE_STARTING):
+                    self._become_ready(sandbox.name, sandbox.uuid)
+                elif sandbox.state == STATE_READY and self.tunnels is not None:
                     self.tunnels.ensure(sandbox.name)
 
     def close(self) -> None:
@@ -230,16 +280,14 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             with self._manager() as manager:
                 images = [image.name for image in manager.images.list()]
                 wanted = translate(request.sandbox, images, self.supervisor)
-                sandbox = manager.create(wanted.spec, start=False)
-                self._remember(sandbox)
                 try:
-                    manager.start(wanted.name, wait=False)
+                    sandbox = manager.create(wanted.spec, wait=False)
                 except VmSandboxError:
-                    with contextlib.suppress(VmSandboxError):
-                        manager.destroy(wanted.name)
+                    self._reconcile_behind()
                     raise
+                self._remember(sandbox)
             log.info("sandbox %s (%s) started", wanted.name, request.sandbox.id)
-            self._become_ready(wanted.name)
+            self._become_ready(sandbox.name, sandbox.uuid)
 
         self._call(context, "CreateSandbox", create)
         return pb.CreateSandboxResponse()
@@ -247,23 +295,22 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def GetSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def get() -> pb.DriverSandbox:
             with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id, request.sandbox_name)
-                return self._snapshot(manager, found)
+                return self._snapshot(manager, self._find(manager, request.sandbox_id))
 
         return pb.GetSandboxResponse(sandbox=self._call(context, "GetSandbox", get))
 
     def ListSandboxes(self, request: Any, context: grpc.ServicerContext) -> Any:
         def listing() -> list[pb.DriverSandbox]:
             with self._manager() as manager:
-                return [self._snapshot(manager, sandbox) for sandbox in self._ours(manager)]
+                return self._snapshots(manager, self._ours(manager))
 
         return pb.ListSandboxesResponse(sandboxes=self._call(context, "ListSandboxes", listing))
 
     def StopSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def stop() -> None:
             with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id, request.sandbox_name)
-                manager.stop(found.name)
+                found = self._find(manager, request.sandbox_id)
+                manager.stop(found.name, uuid=found.uuid)
 
         self._call(context, "StopSandbox", stop)
         return pb.StopSandboxResponse()
@@ -271,10 +318,10 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def StartSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def start() -> None:
             with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id, request.sandbox_name)
-                started = manager.start(found.name, wait=False)
+                found = self._find(manager, request.sandbox_id)
+                started = manager.start(found.name, wait=False, uuid=found.uuid)
             if started.state != "ready":
-                self._become_ready(found.name)
+                self._become_ready(found.name, found.uuid)
 
         self._call(context, "StartSandbox", start)
         return pb.StartSandboxResponse()
@@ -283,11 +330,11 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         def delete() -> bool:
             with self._manager() as manager:
                 try:
-                    found = self._find(manager, request.sandbox_id, request.sandbox_name)
+                    found = self._find(manager, request.sandbox_id)
+                    self._remember(found)
+                    manager.destroy(found.name, uuid=found.uuid)
                 except NotFound:
                     return False
-                self._remember(found)
-                manager.destroy(found.name)
             self.transitions.forget(found.domain)
             log.info("sandbox %s deleted", found.name)
             return True
@@ -318,7 +365,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def _everything(self, context: grpc.ServicerContext) -> Iterator[Any]:
         def listing() -> list[pb.DriverSandbox]:
             with self._manager() as manager:
-                return [self._snapshot(manager, sandbox) for sandbox in self._ours(manager)]
+                return self._snapshots(manager, self._ours(manager))
 
         for snap in self._call(context, "WatchSandboxes", listing):
             yield _sandbox_event(snap)
@@ -338,8 +385,12 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             return
         try:
             with self._manager() as manager:
-                sandbox = manager.get(event.name)
-                snap = self._snapshot(manager, sandbox) if sandbox.labels.get(ID_LABEL) else None
+                found = manager.store.by_domain(DOMAIN_PREFIX + event.name)
+                if found is None:
+                    return  # undefined since: its own event follows
+                sandbox = manager.store.view(found.record, found.state, found.uuid)
+                ours = sandbox.labels.get(ID_LABEL) and sandbox.local
+                snap = self._snapshot(manager, sandbox) if ours else None
         except (NotFound, InvalidArgument):
             return  # undefined since: its own event follows
         except VmSandboxError as exc:
