@@ -273,14 +273,23 @@ def test_libvirt_network_address_is_kept_in_the_record(config: Config, hv: FakeH
         assert "192.0.2.7" in mgr.ssh_argv("unit")
 
 
+@pytest.mark.parametrize("made", ["before reservations", "with a reservation"])
 def test_reconcile_removes_a_create_whose_process_died(
-    manager: SandboxManager, config: Config, hv: FakeHypervisor
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, made: str
 ) -> None:
+    """A create killed mid-way: its record says creating by a creator that is gone, and (when
+    it was made with reservations) its reservation's owner is gone too."""
     manager.create(spec(), wait=False)
     dom = hv.domains["vmsbx-unit"]
     assert dom.data is not None
-    dom.data["creator"] = {"pid": 1, "start": "0", "boot": "another boot"}
+    dead = {"pid": 1, "start": "0", "boot": "another boot"}
+    dom.data["creator"] = dead
     dom.state = "creating"
+    hold = config.state_dir / "holds" / f"{dom.uuid}.json"
+    if made == "before reservations":
+        hold.unlink()
+    else:
+        hold.write_text(json.dumps({**json.loads(hold.read_text()), "owner": dead}))
     assert manager.reconcile() == {"removed": ["unit"], "problems": [], "fabric_partitions": []}
     assert left(config, hv) == []
 

@@ -113,16 +113,27 @@ def _decide(
         if hold.left_over:
             stored = listed.get(hold.uuid)
             take(hold, _record(stored))
-        elif hold.owner is None and hold.uuid not in listed and _gone(hypervisor, hold):
+        elif (
+            hold.owner is None
+            and hold.uuid not in listed
+            and _gone(hypervisor, hold.uuid, hold.domain)
+        ):
             holds.drop(hold.uuid)  # removed by something other than vmsandbox
             report.removed.append(hold.name)
     for record, stored in view.ours(config):
         hold = current.get(stored.uuid)
-        if (hold is None and stored.uuid in gone) or (hold is not None and hold.owner):
-            continue  # being taken apart, or being worked on, or taken above
+        if hold is not None and hold.owner:
+            continue  # being worked on, or taken above
+        if hold is None and stored.uuid in gone and _gone(hypervisor, stored.uuid, stored.domain):
+            continue  # undefined since the view was read
+        legacy = hold is None
         if hold is None:  # made before reservations existed: it gets one now
             hold = holds.put(_backfill(config, record, stored))
-        creating = stored.state == STATE_CREATING
+        # A settled hold says its transition committed, whatever the (older) view's state;
+        # only a sandbox made before reservations is judged by its record, read again now.
+        fresh = hypervisor.metadata(stored.domain) if legacy else None
+        creating = fresh is not None and fresh.uuid == stored.uuid
+        creating = creating and fresh is not None and fresh.state == STATE_CREATING
         if creating and record.creator is not None and record.creator.alive():
             continue  # a create from before reservations, still at work
         files = SandboxFiles.of(config, record.stem)
@@ -159,10 +170,10 @@ def _record(stored: Stored | None) -> SandboxRecord | None:
         return None
 
 
-def _gone(hypervisor: Hypervisor, hold: Hold) -> bool:
-    """Whether the hold's domain is gone now (a fresh lookup: the view may be older)."""
-    stored = hypervisor.metadata(hold.domain)
-    return stored is None or stored.uuid != hold.uuid
+def _gone(hypervisor: Hypervisor, uuid: str, domain: str) -> bool:
+    """Whether the domain ``uuid`` is gone now (a fresh lookup: the view may be older)."""
+    stored = hypervisor.metadata(domain)
+    return stored is None or stored.uuid != uuid
 
 
 def _backfill(config: Config, record: SandboxRecord, stored: Stored) -> Hold:
