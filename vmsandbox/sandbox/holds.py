@@ -152,7 +152,8 @@ class Holds:
         if path.exists():
             if tombstone:
                 with contextlib.suppress(OSError):  # a full disk: reconcile's view is right
-                    (self.folder / f"{uuid}.gone").write_text(str(time.time()) + "\n")
+                    gone = self.folder / f"{uuid}.gone"
+                    os.close(os.open(gone, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
             path.unlink()
 
     def gone(self) -> set[str]:

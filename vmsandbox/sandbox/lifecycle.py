@@ -218,10 +218,15 @@ def show_gpus(c: Creation) -> None:
 
 
 def _unreserve(r: Remains) -> None:
-    """Drop the hold, once everything it reserved is given back (under the lock); a
-    tombstone only when a domain was defined for it (``record``: made with the domain)."""
-    if r.mine() is not None:
-        r.holds.drop(r.uuid, tombstone=r.record is not None)
+    """Drop the hold, once everything it reserved is given back (under the lock): while its
+    domain or files are still there (an undo before this one failed), the hold stays, for
+    reconcile. A tombstone only when a domain was defined for it (``record``)."""
+    if r.mine() is None:
+        return
+    stored = r.hypervisor.metadata(r.domain)
+    if (stored is not None and stored.uuid == r.uuid) or r.files.existing():
+        return
+    r.holds.drop(r.uuid, tombstone=r.record is not None)
 
 
 def _activate(c: Creation) -> None:
