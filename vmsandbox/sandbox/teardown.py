@@ -10,7 +10,9 @@ reconcile.
 
 A hold is taken over only once its domain exists: before that, its create is still writing
 the files the name reserves, and removing them under it would let a later create of that name
-lose its own. A teardown waits for that (``lock_timeout``), and says so when it waited in vain.
+lose its own. Nor is a hold another teardown is working on: a second destroy of a sandbox waits
+for the first, then finds nothing (NOT_FOUND). A teardown waits for either (``lock_timeout``),
+and says so when it waited in vain.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from vmsandbox.vm.process import Ownership
 
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
 _POLL_S = 0.2
+TEARDOWNS = ("destroy", "reconcile")  # what a hold's owner does when it takes a sandbox apart
 
 
 class _NotYet(Exception):
@@ -60,6 +63,12 @@ def destroy(
             f"sandbox {name!r} with id {uuid} does not exist",
             details={"name": name, "uuid": uuid},
         )
+    if found is not None and not store.local(found.record):
+        raise FailedPrecondition(
+            f"sandbox {name!r} was made with another state directory (its keys are in "
+            f"{found.record.keys}); destroy it with that installation's configuration",
+            details={"name": name, "keys": found.record.keys},
+        )
     if found is not None:  # stopped before the lock: a hung QEMU must not hold it
         hypervisor.stop(found.record.domain, uuid=found.uuid)
     owner = own(config)
@@ -73,9 +82,9 @@ def destroy(
             except _NotYet as wait:
                 if time.monotonic() >= deadline:
                     raise FailedPrecondition(
-                        f"sandbox {name!r} is still being made by pid {_pid(wait.hold)} "
-                        f"({wait.hold.doing}) and has no domain yet after "
-                        f"{config.lock_timeout:.0f} s; destroy it once that call returns",
+                        f"sandbox {name!r} is still busy with pid {_pid(wait.hold)} "
+                        f"({wait.hold.doing}) after {config.lock_timeout:.0f} s; destroy it "
+                        "once that call returns",
                         details={"name": name, "owner": _pid(wait.hold)},
                     ) from None
                 time.sleep(_POLL_S)
@@ -108,8 +117,10 @@ def _take_over(
     )
     if pooled_only and not _unclaimed(hold, found):
         raise NotFound(f"pooled guest {name!r} was claimed or removed meanwhile")
-    if hold is not None and hold.busy and found is None:
-        raise _NotYet(hold)  # its create is still writing the files the name reserves
+    if hold is not None and hold.busy and (found is None or hold.doing in TEARDOWNS):
+        # a create still writing the files its name reserves, or another teardown: once it
+        # is done there is a domain to take over, or nothing (NOT_FOUND)
+        raise _NotYet(hold)
     files = SandboxFiles.of(config, hold.stem if hold else found.record.stem if found else name)
     if found is None and hold is None:
         if any(h.stem == name for h in current.values()) or not files.existing():

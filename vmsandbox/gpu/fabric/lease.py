@@ -137,7 +137,12 @@ class FabricLease:
         active = {partition.id for partition in fmpm.list().active()}
         for partition_id in wanted:
             if partition_id in active:
-                fmpm.deactivate(partition_id)
+                try:
+                    fmpm.deactivate(partition_id)
+                except FailedPrecondition:
+                    # FM refused: fine when another release deactivated it meanwhile
+                    if partition_id in {p.id for p in fmpm.list().active()}:
+                        raise
             self._entry(partition_id).unlink(missing_ok=True)
 
     def _entry(self, partition_id: int) -> Path:
