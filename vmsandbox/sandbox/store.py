@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from vmsandbox.config import Config
-from vmsandbox.errors import FailedPrecondition, NotFound
+from vmsandbox.errors import FailedPrecondition, NotFound, Unavailable
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.record import (
     DOMAIN_PREFIX,
@@ -143,8 +143,12 @@ class SandboxStore:
     def view(self, record: SandboxRecord, state: str, uuid: str = "") -> Sandbox:
         """The sandbox as a caller sees it: its recorded state while its domain runs (or while
         it is being made, only defined, or started by a process that still lives), else
-        ``stopped``."""
-        running = self.hypervisor.running(record.domain)
+        ``stopped``. When libvirtd cannot say whether it runs, the recorded state (a create
+        that committed must not turn into an error on its last read)."""
+        try:
+            running = self.hypervisor.running(record.domain)
+        except Unavailable:  # libvirtd is away: show what the record says, decide nothing
+            running = True
         starter = record.starter
         starting = state == STATE_STARTING and starter is not None and starter.alive()
         held = running or starting or state in (STATE_CREATING, STATE_DEFINED)
