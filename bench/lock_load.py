@@ -208,8 +208,10 @@ def teardown(file: Path) -> None:
     from vmsandbox.errors import VmSandboxError
     from vmsandbox.sandbox.manager import SandboxManager
 
-    with SandboxManager(Config.load(file), reconcile=False) as manager:
-        for sandbox in [s for s in manager.list() if s.local]:  # this run's only
+    config = Config.load(file)
+    with SandboxManager(config, reconcile=False) as manager:
+        ours = [s for s in manager.list() if Path(s.key_file).is_relative_to(config.sandboxes)]
+        for sandbox in ours:
             try:
                 manager.destroy(sandbox.name)
             except VmSandboxError as exc:
