@@ -141,3 +141,29 @@ def test_the_boot_floor_initramfs_boots_the_image_kernel_and_powers_off(tmp_path
     assert floor_seconds(kernel, initrd, console=log) > 0
     text = log.read_text(errors="replace")
     assert "Kernel panic" not in text and "reboot: Power down" in text
+
+
+@pytest.mark.libvirt
+def test_lock_load_times_every_kind_of_call_and_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "lock_load.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, str(BENCH / "lock_load.py")),
+            *("--clients", "3", "--seconds", "8", "--domains", "3", "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert {"create", "destroy", "claim", "fill"} <= set(report["calls"])
+    assert report["calls"]["create"]["count"] > 0
+    assert report["lock"]["wait"]["count"] > 0 and report["lock"]["hold"]["count"] > 0
+    assert (
+        report["checks"][0]["figure"].startswith("calls that timed out")
+        and report["checks"][0]["met"]
+    )
+    ours = f"vmsbx-bench-lock-{report['run']}-"
+    assert [name for name in domains() if name.startswith(ours)] == []
