@@ -459,7 +459,9 @@ def test_the_gateways_order_of_calls_on_one_guest(
         } <= supervisor_env, supervisor_env
 
         # The workload identity resolved in the guest, and the launch credentials in its /run.
-        got = client.GetSandbox(pb.GetSandboxRequest(name=name), timeout=60).sandbox.status
+        got = client.GetSandbox(
+            pb.GetSandboxRequest(sandbox_id=sandbox_id, name=name), timeout=60
+        ).sandbox.status
         nobody = manager.exec(name, "id -u nobody; getent group nogroup").stdout.split()
         resolved = got.resolved_identity
         assert (resolved.uid, resolved.gid, resolved.source) == (
@@ -488,7 +490,10 @@ def test_the_gateways_order_of_calls_on_one_guest(
         code, _ = _code(
             client.StartSandbox,
             pb.StartSandboxRequest(
-                name=name, generation_id="gen-2", expected_runtime_identity="vmsandbox:x:0"
+                sandbox_id=sandbox_id,
+                name=name,
+                generation_id="gen-2",
+                expected_runtime_identity="vmsandbox:x:0",
             ),
         )
         assert code == grpc.StatusCode.FAILED_PRECONDITION
@@ -568,7 +573,9 @@ def test_the_main_process_runs_as_the_workload_user_in_a_user_namespace(
         # in its own user namespace only root and the unit's user are mapped, one id each
         assert ["0", "0", "1"] in uid_map and [nobody_uid, nobody_uid, "1"] in uid_map
         assert ["0", "0", "4294967295"] not in uid_map
-        status = client.GetSandbox(pb.GetSandboxRequest(name=name), timeout=60).sandbox.status
+        status = client.GetSandbox(
+            pb.GetSandboxRequest(sandbox_id=sandbox_id, name=name), timeout=60
+        ).sandbox.status
         assert (status.resolved_identity.uid, status.resolved_identity.source) == (
             int(nobody_uid),
             "workload_identity",
@@ -579,7 +586,9 @@ def test_the_main_process_runs_as_the_workload_user_in_a_user_namespace(
             "Exited",
             "the main process exited (0)",
         )
-        assert client.DeleteSandbox(pb.DeleteSandboxRequest(name=name), timeout=300).deleted
+        assert client.DeleteSandbox(
+            pb.DeleteSandboxRequest(sandbox_id=sandbox_id, name=name), timeout=300
+        ).deleted
     finally:
         watch.close()
         if leftovers(config, name):
