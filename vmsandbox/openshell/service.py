@@ -157,6 +157,9 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         except VmSandboxError as exc:
             log.info("guest state of %s: %s: %s", sandbox.name, exc.code, exc.message)
             return None
+        if shown.exit_status != 0:  # the query ends in `true`: its session was cut short
+            log.info("guest state of %s: the query ended %d", sandbox.name, shown.exit_status)
+            return None
         return guest_state(shown.stdout)
 
     def _images(self, manager: SandboxManager) -> dict[str, str]:
