@@ -8,7 +8,8 @@ and message.
 The restarted libvirtd is a private one of each test, in a mount namespace of its own
 (tests/test_reliability_libvirtd.py's ``PrivateLibvirtd``): restarting it disturbs no other
 test's guests, and the fixture stops it however the test ends. Select the module with
-``-m chaos``; ``VMSANDBOX_CHAOS_SECONDS`` sets how long the eight clients run (default 120).
+``-m chaos`` (``make chaos``; ``make test`` leaves it out: it takes about 5 minutes);
+``VMSANDBOX_CHAOS_SECONDS`` sets how long the eight clients run (default 120).
 """
 
 from __future__ import annotations
