@@ -1,6 +1,6 @@
 # The two commands a newcomer needs: `make demo` and `make test`. Both run the setup first
 # (idempotent: packages, libvirtd, virtualenv, guest images).
-.PHONY: setup demo test lint bench docs pages
+.PHONY: setup demo test chaos lint bench docs pages
 
 # The documentation's tools live in a virtualenv of their own, pinned by docs/requirements.txt.
 DOCS_VENV ?= .venv-docs
@@ -16,14 +16,19 @@ demo: setup
 # setup/platforms.sh builds .venv-platforms, the platforms' own released packages that
 # tests/test_compat_platforms.py compares vmsandbox.compat with and tests/test_openshell_sdk.py
 # drives the OpenShell driver with. The docs build comes before the suite: a broken link or a
-# stale reference fails it at once.
+# stale reference fails it at once. The chaos module (tests/test_chaos.py: libvirtd restarts,
+# killed servers, eight clients for two minutes) takes about 5 minutes and runs on its own:
+# `make chaos`.
 test:
 	VMSANDBOX_IMAGES="minimal nvidia nested" bash setup/setup.sh
 	bash setup/platforms.sh
 	.venv/bin/ruff check vmsandbox tests bench docs setup
 	.venv/bin/ruff format --check vmsandbox tests bench docs setup
 	$(MAKE) docs
-	VMSANDBOX_DOCS_VENV=$(DOCS_VENV) .venv/bin/pytest -p no:cacheprovider -ra tests
+	VMSANDBOX_DOCS_VENV=$(DOCS_VENV) .venv/bin/pytest -p no:cacheprovider -ra -m "not chaos" tests
+
+chaos: setup
+	.venv/bin/pytest -p no:cacheprovider -ra -m chaos tests/test_chaos.py
 
 lint:
 	.venv/bin/ruff check vmsandbox tests bench docs setup

@@ -43,6 +43,9 @@ BENCHES = (
     Bench("cli_startup", "cli_startup.py", "cli_startup.json"),
     Bench("inventory", "bench_inventory.py", "inventory.json", quick=("--rounds", "1")),
     Bench("allocation", "allocation.py", "allocation.json"),
+    Bench(
+        "lock_load", "lock_load.py", "lock_load.json", quick=("--seconds", "10", "--domains", "5")
+    ),
     Bench("destroy", "destroy.py", "destroy.json"),
     Bench("create_overhead", "create_overhead.py", "create_overhead.json"),
     Bench("ssh_ready", "ssh_ready.py", "ssh_ready.json"),

@@ -73,6 +73,14 @@ ABOUT: dict[str, tuple[str, str]] = {
         "and undefine it, on a fake HGX host against the real libvirtd; every hold is checked "
         "for a GPU held twice at once.",
     ),
+    "lock_load": (
+        "The host lock under load",
+        "Clients in processes of their own creating GPU sandboxes (defined, not started), "
+        "destroying, claiming pooled guests (defined, not booted: the claim's host side) and "
+        "reconciling at once, with defined domains that every listing reads, on a fake "
+        "64-GPU host (umockdev) against the real libvirtd; every wait for and hold of the host "
+        "lock is timed. Count, median, 95th percentile and maximum of each.",
+    ),
     "gpu_claim": (
         "GPU claim on the nested GPU host",
         "Inside the nested GPU host: a cold `vmsandbox create --gpu 1` against the same create "
@@ -150,6 +158,30 @@ def series_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
             )
         )
     return rows
+
+
+def load_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """A load benchmark's calls and lock holds (lock_load's form): count, median, p95, max."""
+    named = [(f"{op} (succeeded)", figures) for op, figures in report["calls"].items()]
+    named += [(f"lock: {what}", report["lock"][what]) for what in ("wait", "hold")]
+    rows = []
+    for label, figures in named:
+        if not figures.get("count"):
+            rows.append((label, "0", "-", "-", "-"))
+            continue
+        shown = [seconds(figures[key], "ms") for key in ("median_s", "p95_s", "max_s")]
+        rows.append((label, str(figures["count"]), *shown))
+    return rows
+
+
+def load_errors(report: dict[str, Any]) -> str:
+    """The calls that failed, by code, in one sentence."""
+    failed = [
+        f"{op}: " + ", ".join(f"{n} {code}" for code, n in sorted(codes.items()))
+        for op, codes in report.get("errors", {}).items()
+        if codes
+    ]
+    return "Failed calls: " + ("; ".join(failed) if failed else "none") + "."
 
 
 def stage_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -256,6 +288,11 @@ def render(results: Path) -> str:
         title, about = ABOUT.get(report["bench"], (report["bench"], ""))
         when = report.get("when", "?").replace("T", " ").replace("Z", " UTC")
         rounds = f"{report.get('rounds', '?')} rounds after {report.get('warmup', 0)} warm-up"
+        if "clients" in report:
+            rounds = (
+                f"{report['clients']} clients for {report['seconds']:.0f} s, "
+                f"{report['domains']} defined domains"
+            )
         lines += ["", f"## {title}", ""]
         if about:
             lines += [about, ""]
@@ -265,7 +302,11 @@ def render(results: Path) -> str:
             f"- **Command**: `{report.get('command', 'unknown')}`",
             "",
         ]
-        lines += table(("Measurement", "Median", "Min - max"), series_rows(report))
+        if "calls" in report:
+            headers = ("Measurement", "Count", "Median", "p95", "Max")
+            lines += [*table(headers, load_rows(report)), "", load_errors(report)]
+        else:
+            lines += table(("Measurement", "Median", "Min - max"), series_rows(report))
         stages = stage_rows(report)
         if stages:
             lines += ["", "Where a cold create's time goes: seconds from its start to each stage."]

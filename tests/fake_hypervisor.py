@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 from lxml import etree
 
@@ -23,6 +24,7 @@ class FakeDomain:
     xml: str
     data: dict[str, Any] | None
     state: str
+    uuid: str = ""
     running: bool = False
     reason: str = "never started"
     ignores_acpi: bool = False
@@ -48,22 +50,36 @@ class FakeHypervisor:
         return self.domains[domain]
 
     def define(self, xml: str) -> None:
-        name = etree.fromstring(xml.encode()).findtext("name")
+        root = etree.fromstring(xml.encode())
+        name = root.findtext("name")
         self._hook("define", name)
         parsed = domain_xml.read_metadata(xml)
         data, state = parsed if parsed else (None, "unknown")
         old = self.domains.get(name)
-        self.domains[name] = FakeDomain(xml, data, state, running=bool(old and old.running))
+        uuid = root.findtext("uuid") or (old.uuid if old else "") or str(uuid4())
+        if old is not None and old.uuid and old.uuid != uuid:
+            raise FailedPrecondition(f"domain {name!r} already exists with uuid {old.uuid}")
+        self.domains[name] = FakeDomain(
+            xml, data, state, uuid, running=bool(old and old.running), attached=[]
+        )
+
+    def _named(self, domain: str, uuid: str | None) -> str | None:
+        """The name of the domain with ``uuid`` (when given), else ``domain`` if it exists."""
+        if uuid:
+            return next((n for n, d in self.domains.items() if d.uuid == uuid), None)
+        return domain if domain in self.domains else None
 
     def start(self, domain: str) -> None:
         self._hook("start", domain)
         self._get(domain).running = True
 
-    def stop(self, domain: str) -> None:
+    def stop(self, domain: str, uuid: str | None = None) -> None:
         self._hook("stop", domain)
-        if domain in self.domains:
-            self.domains[domain].running = False
-            self.domains[domain].reason = "it was forced off (destroyed)"
+        name = self._named(domain, uuid)
+        if name is not None:
+            self.domains[name].running = False
+            self.domains[name].reason = "it was forced off (destroyed)"
+            self.domains[name].attached.clear()  # libvirt gives live-attached devices back
 
     def shutdown(self, domain: str) -> None:
         """The ACPI button: a fake guest powers off at once unless it ``ignores_acpi``."""
@@ -73,9 +89,11 @@ class FakeHypervisor:
             dom.running = False
             dom.reason = "the guest powered itself off"
 
-    def undefine(self, domain: str) -> None:
+    def undefine(self, domain: str, uuid: str | None = None) -> None:
         self._hook("undefine", domain)
-        self.domains.pop(domain, None)
+        name = self._named(domain, uuid)
+        if name is not None:
+            self.domains.pop(name)
 
     def running(self, domain: str) -> bool:
         return domain in self.domains and self.domains[domain].running
@@ -83,17 +101,24 @@ class FakeHypervisor:
     def stop_reason(self, domain: str) -> str:
         return self._get(domain).reason
 
-    def list(self, prefix: str) -> list[Stored]:
+    def every_domain(self) -> list[Stored]:
+        self._hook("every_domain", "")
         return [
-            Stored(name, dom.data, dom.state)
+            Stored(name, dom.data, dom.state, dom.uuid, self._hostdevs(dom))
             for name, dom in self.domains.items()
-            if name.startswith(prefix)
         ]
+
+    def list(self, prefix: str) -> list[Stored]:
+        self._hook("list", prefix)
+        return [stored for stored in self.every_domain() if stored.domain.startswith(prefix)]
 
     def metadata(self, domain: str) -> Stored | None:
         self._hook("metadata", domain)
         dom = self.domains.get(domain)
-        return Stored(domain, dom.data, dom.state) if dom else None
+        return Stored(domain, dom.data, dom.state, dom.uuid) if dom else None
+
+    def definition(self, domain: str) -> str:
+        return self._get(domain).xml
 
     def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None:
         self._hook("set_metadata", domain)
@@ -103,18 +128,21 @@ class FakeHypervisor:
     def lease_address(self, domain: str) -> str | None:
         return self.leases.get(domain)
 
-    def hostdev_holders(self) -> dict[str, str]:
-        """BDF -> domain for the hostdevs of every domain's XML and of what was attached."""
+    @staticmethod
+    def _hostdevs(dom: FakeDomain) -> tuple[str, ...]:
         from vmsandbox.host.holders import hostdev_addresses
 
+        found: dict[str, None] = {}
+        for xml in (dom.xml, *(f"<domain><devices>{d}</devices></domain>" for d in dom.attached)):
+            found.update(dict.fromkeys(hostdev_addresses(xml)))
+        return tuple(found)
+
+    def hostdev_holders(self) -> dict[str, str]:
+        """BDF -> domain for the hostdevs of every domain's XML and of what was attached."""
         holders: dict[str, str] = {}
-        for name, dom in self.domains.items():
-            for xml in (
-                dom.xml,
-                *(f"<domain><devices>{d}</devices></domain>" for d in dom.attached),
-            ):
-                for bdf in hostdev_addresses(xml):
-                    holders.setdefault(bdf, name)
+        for stored in self.every_domain():
+            for bdf in stored.hostdevs:
+                holders.setdefault(bdf, stored.domain)
         return holders
 
     def attach(self, domain: str, xml: str) -> None:
@@ -125,13 +153,26 @@ class FakeHypervisor:
         dom.attached.append(xml)
 
     def detach(self, domain: str, xml: str) -> None:
+        """As libvirt 9.0: one function of a multifunction slot cannot be hot-unplugged."""
         self._hook("detach", domain)
         dom = self.domains.get(domain)
-        if dom is not None and xml in dom.attached:
-            dom.attached.remove(xml)
+        if dom is None or xml not in dom.attached:
+            return
+        slot = _guest_slot(xml)
+        if sum(1 for other in dom.attached if _guest_slot(other) == slot) > 1:
+            raise FailedPrecondition(
+                f"detaching a device from domain {domain!r}: libvirt refused: cannot hot "
+                "unplug multifunction PCI device"
+            )
+        dom.attached.remove(xml)
 
     def close(self) -> None:
         """Nothing to close."""
+
+
+def _guest_slot(xml: str) -> tuple[str | None, str | None]:
+    address = etree.fromstring(xml.encode()).find("address")
+    return (address.get("bus"), address.get("slot")) if address is not None else (None, None)
 
 
 def refuse(message: str) -> Callable[[str], None]:

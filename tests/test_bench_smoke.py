@@ -200,3 +200,29 @@ def test_fast_start_writes_its_report_as_the_performance_pages_section() -> None
     assert "each round: 3.00x, 2.80x | **2.90x** (mean) | <= 3.00x | met |" in page
     assert "| <= 0.20x | **missed** |" in page
     assert "| userspace until sshd | 0.500 |" in page and "| claim | 0.100 |" in page
+
+
+@pytest.mark.libvirt
+def test_lock_load_times_every_kind_of_call_and_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "lock_load.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, str(BENCH / "lock_load.py")),
+            *("--clients", "3", "--seconds", "8", "--domains", "3", "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert {"create", "destroy", "claim", "fill"} <= set(report["calls"])
+    assert report["calls"]["create"]["count"] > 0
+    assert report["lock"]["wait"]["count"] > 0 and report["lock"]["hold"]["count"] > 0
+    assert (
+        report["checks"][0]["figure"].startswith("calls that timed out")
+        and report["checks"][0]["met"]
+    )
+    ours = f"vmsbx-bench-lock-{report['run']}-"
+    assert [name for name in domains() if name.startswith(ours)] == []

@@ -21,7 +21,7 @@ from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from vmsandbox.gpu.fabric import render, state
 from vmsandbox.gpu.fabric.fmpm import Fmpm
-from vmsandbox.gpu.fabric.lease import FabricLease
+from vmsandbox.gpu.fabric.lease import FabricLease, Lease
 from vmsandbox.gpu.fabric.mode import FULL_PASSTHROUGH, NONE, SHARED, VGPU, FabricMode, detect
 from vmsandbox.gpu.fabric.partitions import parse_partition_list
 from vmsandbox.gpu.fabric.policy import allocate
@@ -499,15 +499,51 @@ def test_lease_ledger_follows_activation(fm: Path, tmp_path: Path) -> None:
         "/nonexistent", state_dir=str(tmp_path / "state"), fmpm=str(FAKE_FMPM), fm_version=DRIVER
     )
     lease = FabricLease(config)
-    lease.release("nobody")  # no lease: FM is not asked
+    lease.release("uuid-nobody")  # no lease: FM is not asked
     assert not (fm / "calls.log").exists()
-    lease.activate(1, "train", image="nvidia", image_driver=DRIVER)
+    lease.activate(1, "uuid-train", "train", image="nvidia", image_driver=DRIVER)
     with pytest.raises(FailedPrecondition, match="Failed to activate partition"):
-        lease.activate(3, "other", image="nvidia", image_driver=DRIVER)  # overlaps 1
-    assert lease.leases() == {1: "train"}  # the refused one left nothing
+        lease.activate(3, "uuid-other", "other", image="nvidia", image_driver=DRIVER)
+    train = [Lease(1, "uuid-train", "train")]
+    assert lease.leases() == train  # the refused one (it overlaps 1) left nothing
     with pytest.raises(FailedPrecondition, match=re.escape("NVIDIA driver 470.1, but")):
-        lease.activate(2, "old", image="old", image_driver="470.1")
-    assert lease.leases() == {1: "train"} and "-a 2" not in (fm / "calls.log").read_text()
-    assert lease.reconcile({"train"}) == [] and lease.leases() == {1: "train"}
-    lease.release("train")
-    assert lease.leases() == {} and fmpm().list().active() == ()
+        lease.activate(2, "uuid-old", "old", image="old", image_driver="470.1")
+    assert lease.leases() == train and "-a 2" not in (fm / "calls.log").read_text()
+    assert lease.reconcile({"uuid-train"}) == [] and lease.leases() == train
+    lease.release("uuid-train")
+    assert lease.leases() == [] and fmpm().list().active() == ()
+
+
+def test_a_timed_out_activation_keeps_its_lease_until_released(fm: Path, tmp_path: Path) -> None:
+    """fmpm -a that times out may have activated the partition: the lease stays, so the
+    create's cleanup (or reconcile) deactivates it; before, it was dropped and the partition
+    stayed active with no owner."""
+    config = Config.load(
+        "/nonexistent",
+        state_dir=str(tmp_path / "state"),
+        fmpm=str(FAKE_FMPM),
+        fm_version=DRIVER,
+        fmpm_timeout=1.0,
+    )
+    lease = FabricLease(config)
+    (fm / "hang_after_activate").touch()
+    with pytest.raises(Unavailable, match="did not finish within 1 s") as caught:
+        lease.activate(4, "uuid-slow", "slow", image="nvidia", image_driver=DRIVER)
+    assert "the lease of partition 4 is kept" in caught.value.__notes__[0]
+    assert json.loads((fm / "active.json").read_text()) == [4]  # FM did activate it
+    assert lease.leases() == [Lease(4, "uuid-slow", "slow")]
+    (fm / "hang_after_activate").unlink()
+    lease.release("uuid-slow")
+    assert lease.leases() == [] and fmpm().list().active() == ()
+
+
+def test_leases_written_before_uuids_are_matched_by_name(fm: Path, tmp_path: Path) -> None:
+    config = Config.load(
+        "/nonexistent", state_dir=str(tmp_path / "state"), fmpm=str(FAKE_FMPM), fm_version=DRIVER
+    )
+    lease = FabricLease(config)
+    lease.activate(1, "uuid-train", "train", image="nvidia", image_driver=DRIVER)
+    (config.state_dir / "fabric" / "1.json").write_text(json.dumps({"sandbox": "train"}))
+    assert lease.leases() == [Lease(1, "", "train")]
+    assert lease.reconcile(set(), {"train"}) == [] and len(lease.leases()) == 1
+    assert lease.reconcile(set(), set()) == [] and lease.leases() == []

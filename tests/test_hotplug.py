@@ -75,7 +75,29 @@ def test_h100_ports_reserve_a_whole_bar1_and_boot_with_the_window_of_two(
     two = passthrough.plan(
         [h100s[0]] * 2, vcpus=4, memory_mib=8192, host_cpus=None, virt_type="kvm", pin=False
     )
-    assert plan.devices == replace(two, slots=()) and plan.firmware == "uefi"
+    # the aperture holds two 256 GiB reserves, not two cards' 128 GiB + 32 MiB: 1 TiB
+    window = 1024 * GIB
+    assert plan.devices == replace(
+        two, slots=(), mmio64_bytes=window, phys_bits=passthrough.phys_bits(8192, window)
+    )
+    assert plan.firmware == "uefi"
+
+
+@pytest.mark.parametrize("ports", [1, 2, 4, 8])
+def test_the_aperture_holds_every_spare_ports_reserve_and_room_beside_them(
+    hosts: dict[str, Inventory], ports: int
+) -> None:
+    """Each spare port's 64-bit reserve is a power of two (128 GiB + 32 MiB of BARs take
+    256 GiB); the aperture must hold all of them, and still leave the headroom and the padded
+    windows of the other root ports (virtio disks, NIC, rng, USB) beside them."""
+    h100s = [gpu for gpu in hosts["hgx_h100"].gpus if gpu.bindable]
+    plan = hotplug.plan(h100s, ports, vcpus=2, memory_mib=4096, virt_type="kvm")
+    assert plan is not None
+    window = plan.devices.mmio64_bytes
+    others = passthrough.OTHER_ROOT_PORTS * (window >> passthrough.OVMF_PORT_PADDING_SHIFT)
+    assert ports * plan.pref64_reserve + passthrough.MMIO64_HEADROOM + others <= window
+    assert window & (window - 1) == 0  # a power of two
+    assert plan.devices.phys_bits >= passthrough.phys_bits(4096, window)
 
 
 def test_no_bindable_gpu_or_no_port_plans_nothing(hosts: dict[str, Inventory]) -> None:
@@ -136,7 +158,8 @@ def test_large_bar_ports_boot_ovmf_sized_for_them(
         "ua-hp1": {"pref64-reserve": str(256 * GIB), "mem-reserve": str(16 * MIB)}
     }
     args = [arg.get("value") for arg in root.iterfind(f"{Q}commandline/*")]
-    assert args == ["-fw_cfg", f"name={passthrough.FW_CFG_MMIO64},string={256 * 1024}"]
+    # one 256 GiB reserve and the other ports' padding: a 512 GiB aperture
+    assert args == ["-fw_cfg", f"name={passthrough.FW_CFG_MMIO64},string={512 * 1024}"]
     defined = define_and_undefine(conn, etree.tostring(root, encoding="unicode"))
     assert defined.find("os/loader") is not None
     # the NIC of a libvirt network got an address on pcie.0 too

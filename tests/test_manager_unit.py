@@ -7,6 +7,7 @@ state directory of the test's own; no libvirtd, no guest.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import replace
@@ -66,17 +67,19 @@ def test_create_runs_every_step_and_checkpoints_each(config: Config, hv: FakeHyp
     with SandboxManager(config, hypervisor=hv, reconcile=False, checkpoint=stages.append) as mgr:
         sandbox = mgr.create(spec(), wait=False)
     assert stages == [
+        "look",
         "locked",
         "reserve",
-        "gpus",
         "fabric",
         "keys",
         "overlay",
         "seed",
+        "locked",
         "define",
         "start",
         "wait",
         "verify",
+        "locked",
         "ready",
     ]
     assert sandbox.state == "started"
@@ -120,7 +123,9 @@ def test_the_record_is_typed_and_versioned(manager: SandboxManager, hv: FakeHype
     data = hv.domains["vmsbx-unit"].data
     assert data is not None and data["version"] == SCHEMA_VERSION
     record = SandboxRecord.from_dict(data)
-    assert record.creator == ProcessIdentity.current()
+    assert record.creator is not None and record.creator.pid == os.getpid()
+    assert record.creator.owner is not None  # the create's owner file...
+    assert not record.creator.alive()  # ...given up when the create ended
     assert record.to_dict() == data
 
 
@@ -229,6 +234,31 @@ def test_a_port_taken_before_qemu_starts_is_replaced(
     assert f"hostfwd=tcp:127.0.0.1:{sandbox.ssh.port}-:22" in hv.domains["vmsbx-unit"].xml
 
 
+def test_a_start_whose_port_was_taken_moves_the_forward(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    """Another program took a stopped sandbox's SSH port: start moves the forward to a free
+    port (record and domain both) and starts; it used to fail every time."""
+    created = manager.create(spec(), start=False)
+    assert created.ssh is not None
+    old = created.ssh.port
+    tries: list[str] = []
+
+    def taken(_domain: str) -> None:
+        tries.append(hv.domains["vmsbx-unit"].xml)
+        if len(tries) == 1:
+            raise FailedPrecondition(
+                f"libvirt refused: Could not set up host forwarding rule 'tcp:127.0.0.1:{old}-:22'"
+            )
+
+    hv.before["start"] = taken
+    started = manager.start("unit", wait=False)
+    assert started.ssh is not None and started.ssh.port != old
+    assert f"hostfwd=tcp:127.0.0.1:{started.ssh.port}-:22" in hv.domains["vmsbx-unit"].xml
+    assert f"127.0.0.1:{old}-" not in hv.domains["vmsbx-unit"].xml
+    assert started.state == "starting" and hv.domains["vmsbx-unit"].running
+
+
 def test_libvirt_network_address_is_kept_in_the_record(config: Config, hv: FakeHypervisor) -> None:
     """8a: the DHCP address, once known, is written to the record, so get/exec/ssh/verify in
     another process find it."""
@@ -243,14 +273,23 @@ def test_libvirt_network_address_is_kept_in_the_record(config: Config, hv: FakeH
         assert "192.0.2.7" in mgr.ssh_argv("unit")
 
 
+@pytest.mark.parametrize("made", ["before reservations", "with a reservation"])
 def test_reconcile_removes_a_create_whose_process_died(
-    manager: SandboxManager, config: Config, hv: FakeHypervisor
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, made: str
 ) -> None:
+    """A create killed mid-way: its record says creating by a creator that is gone, and (when
+    it was made with reservations) its reservation's owner is gone too."""
     manager.create(spec(), wait=False)
     dom = hv.domains["vmsbx-unit"]
     assert dom.data is not None
-    dom.data["creator"] = {"pid": 1, "start": "0", "boot": "another boot"}
+    dead = {"pid": 1, "start": "0", "boot": "another boot"}
+    dom.data["creator"] = dead
     dom.state = "creating"
+    hold = config.state_dir / "holds" / f"{dom.uuid}.json"
+    if made == "before reservations":
+        hold.unlink()
+    else:
+        hold.write_text(json.dumps({**json.loads(hold.read_text()), "owner": dead}))
     assert manager.reconcile() == {"removed": ["unit"], "problems": [], "fabric_partitions": []}
     assert left(config, hv) == []
 
@@ -281,35 +320,22 @@ def test_a_step_that_fails_halfway_is_undone_too(
     assert left(config, hv) == []
 
 
-@pytest.mark.parametrize("keep", [False, True])
-def test_a_failed_guest_verification_removes_the_sandbox_unless_kept(
-    manager: SandboxManager, config: Config, hv: FakeHypervisor, keep: bool
+def test_a_sandbox_kept_although_its_guest_verification_failed_is_reported(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
 ) -> None:
-    """The verification error reaches the caller either way; the sandbox is gone unless the
-    caller asked to keep it for inspection."""
+    """A create asked to keep a sandbox whose in-guest check failed keeps it and still
+    raises the verification error (the create's verify step raises without ``keep``, and the
+    create's undos take the sandbox apart: tests/test_pool_gpu_unit.py's claims show it)."""
     made = manager.create(spec(), wait=False)
     failed = VerificationReport(gpus=[], checks=[], problems=["0000:41:00.0 missing"]).to_dict()
     stored = hv.domains["vmsbx-unit"].data
     assert stored is not None
-    creation = lifecycle.Creation(
-        hypervisor=hv,
-        name=made.name,
-        files=SandboxFiles.of(config, made.name),
-        record=replace(SandboxRecord.from_dict(stored), verification=failed),
-        config=config,
-        spec=spec(),
-        image=manager.images.get("tiny"),
-        virt_type="qemu",
-        progress=lambda _line: None,
-        exists=lambda _name: True,
-        allocate=lambda: None,
-        free_port=lambda: 0,
-        host_cpus=dict,
-    )
+    creation = manager._creation(spec(), made.name, manager.images.get("tiny"), lambda _l: None)
+    creation.record = replace(SandboxRecord.from_dict(stored), verification=failed)
     with pytest.raises(GuestVerificationFailed, match=r"0000:41:00\.0 missing") as caught:
-        lifecycle.check_verification(creation, manager.locked, keep=keep)
-    assert caught.value.details["kept"] is keep
-    assert bool(left(config, hv)) is keep
+        lifecycle.check_verification(creation)
+    assert caught.value.details["kept"] is True
+    assert left(config, hv)
 
 
 def test_a_newer_record_is_refused_here_and_skipped_from_another_state_dir(
@@ -484,7 +510,8 @@ def test_a_start_in_flight_shows_starting_while_its_starter_lives(
     manager.create(spec(), start=False)
     assert manager.start("unit", wait=False).state == "starting"
     record = SandboxRecord.from_dict(hv.domains["vmsbx-unit"].data or {})
-    assert record.starter == ProcessIdentity.current()
+    assert record.starter is not None and record.starter.pid == os.getpid()
+    assert record.starter.alive()  # an owner file this process keeps while it lives
     hv.domains["vmsbx-unit"].running = False
     assert manager.get("unit").state == "starting"  # its starter (this process) lives
     gone = replace(record, starter=ProcessIdentity(pid=1, start=None, boot="another boot"))

@@ -32,6 +32,8 @@ from openshell_client import (
 from vmsandbox.config import Config
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.request import sandbox_name
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec
 
 pytestmark = pytest.mark.libvirt
 OTHER_UID = 65534  # nobody
@@ -111,11 +113,45 @@ def test_unknown_sandboxes(client):
     code, message = _code(
         client.GetSandbox, pb.GetSandboxRequest(sandbox_id="nope", name="t-os-none")
     )
-    assert (code, message) == (grpc.StatusCode.NOT_FOUND, "sandbox 't-os-none' does not exist")
-    code, _ = _code(client.StopSandbox, pb.StopSandboxRequest(name="t-os-none"))
+    assert (code, message) == (
+        grpc.StatusCode.NOT_FOUND,
+        "no sandbox with id 'nope' was made by this driver",
+    )
+    code, _ = _code(client.StopSandbox, pb.StopSandboxRequest(sandbox_id="nope"))
     assert code == grpc.StatusCode.NOT_FOUND
-    deleted = client.DeleteSandbox(pb.DeleteSandboxRequest(name="t-os-none"), timeout=60)
+    deleted = client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id="nope"), timeout=60)
     assert deleted.deleted is False
+
+
+def test_requests_find_sandboxes_by_the_gateway_id_only(client, config: Config):
+    """A sandbox the driver did not make (a CLI one) is out of reach whatever the request
+    names: Get, Stop, Start and Delete with its name and another id find nothing and leave it
+    as it is; a request without an id is refused."""
+    with SandboxManager(config, reconcile=False) as manager:
+        made = manager.create(SandboxSpec(name="t-os-cli", memory_mib=256), start=False)
+    try:
+        for call, request in (
+            (client.GetSandbox, pb.GetSandboxRequest),
+            (client.StopSandbox, pb.StopSandboxRequest),
+            (client.StartSandbox, pb.StartSandboxRequest),
+        ):
+            code, _ = _code(call, request(sandbox_id="gw-other", name="t-os-cli"))
+            assert code == grpc.StatusCode.NOT_FOUND
+            code, message = _code(call, request(name="t-os-cli"))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "sandbox_id is empty" in message
+        deleted = client.DeleteSandbox(
+            pb.DeleteSandboxRequest(sandbox_id="gw-other", name="t-os-cli"), timeout=60
+        )
+        assert deleted.deleted is False
+        with SandboxManager(config, reconcile=False) as manager:
+            still = manager.get("t-os-cli")
+        assert (still.uuid, still.state) == (made.uuid, "defined")
+        listed = client.ListSandboxes(pb.ListSandboxesRequest(), timeout=60).sandboxes
+        assert "t-os-cli" not in [sandbox.name for sandbox in listed]
+    finally:
+        with SandboxManager(config, reconcile=False) as manager:
+            manager.destroy("t-os-cli")
+    assert leftovers(config, "t-os-cli") == []
 
 
 def test_a_gateway_that_disconnects_and_reconnects_is_served_again(socket_path: Path):
@@ -423,7 +459,9 @@ def test_the_gateways_order_of_calls_on_one_guest(
         } <= supervisor_env, supervisor_env
 
         # The workload identity resolved in the guest, and the launch credentials in its /run.
-        got = client.GetSandbox(pb.GetSandboxRequest(name=name), timeout=60).sandbox.status
+        got = client.GetSandbox(
+            pb.GetSandboxRequest(sandbox_id=sandbox_id, name=name), timeout=60
+        ).sandbox.status
         nobody = manager.exec(name, "id -u nobody; getent group nogroup").stdout.split()
         resolved = got.resolved_identity
         assert (resolved.uid, resolved.gid, resolved.source) == (
@@ -452,7 +490,10 @@ def test_the_gateways_order_of_calls_on_one_guest(
         code, _ = _code(
             client.StartSandbox,
             pb.StartSandboxRequest(
-                name=name, generation_id="gen-2", expected_runtime_identity="vmsandbox:x:0"
+                sandbox_id=sandbox_id,
+                name=name,
+                generation_id="gen-2",
+                expected_runtime_identity="vmsandbox:x:0",
             ),
         )
         assert code == grpc.StatusCode.FAILED_PRECONDITION
@@ -532,7 +573,9 @@ def test_the_main_process_runs_as_the_workload_user_in_a_user_namespace(
         # in its own user namespace only root and the unit's user are mapped, one id each
         assert ["0", "0", "1"] in uid_map and [nobody_uid, nobody_uid, "1"] in uid_map
         assert ["0", "0", "4294967295"] not in uid_map
-        status = client.GetSandbox(pb.GetSandboxRequest(name=name), timeout=60).sandbox.status
+        status = client.GetSandbox(
+            pb.GetSandboxRequest(sandbox_id=sandbox_id, name=name), timeout=60
+        ).sandbox.status
         assert (status.resolved_identity.uid, status.resolved_identity.source) == (
             int(nobody_uid),
             "workload_identity",
@@ -543,7 +586,9 @@ def test_the_main_process_runs_as_the_workload_user_in_a_user_namespace(
             "Exited",
             "the main process exited (0)",
         )
-        assert client.DeleteSandbox(pb.DeleteSandboxRequest(name=name), timeout=300).deleted
+        assert client.DeleteSandbox(
+            pb.DeleteSandboxRequest(sandbox_id=sandbox_id, name=name), timeout=300
+        ).deleted
     finally:
         watch.close()
         if leftovers(config, name):

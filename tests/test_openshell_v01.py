@@ -418,10 +418,10 @@ def test_a_v012_client_negotiates_and_an_unmet_requirement_is_refused(upstream: 
 def test_runtime_identity_through_create_stop_start_and_authentication(
     upstream: UpstreamClient, config: Config, hv: FakeHypervisor
 ):
-    """Create returns an identity; Get, Stop, Start and Delete work by ``name``; a start with
-    another identity is refused and changes nothing; one with the right identity and a new
-    generation returns the new identity, which authentication reports (after a restart of the
-    driver too); a retried start keeps it; a guest created anew has another incarnation."""
+    """Create returns an identity; Get, Stop, Start and Delete find it by ``sandbox_id``; a
+    start with another identity is refused and changes nothing; one with the right identity and
+    a new generation returns the new identity, which authentication reports (after a restart of
+    the driver too); a retried start keeps it; a guest created anew has another incarnation."""
     request = upstream.message(
         "DriverSandbox",
         id="gw-v01",
@@ -450,7 +450,9 @@ def test_runtime_identity_through_create_stop_start_and_authentication(
         hv.domains["vmsbx-t-v01"].xml.encode()
     )
 
-    got = upstream.call("GetSandbox", upstream.message("GetSandboxRequest", name="t-v01"))
+    got = upstream.call(
+        "GetSandbox", upstream.message("GetSandboxRequest", sandbox_id="gw-v01", name="t-v01")
+    )
     status = got.sandbox.status
     assert (status.name, status.instance_id, status.fence_evidence.generation) == (
         "t-v01",
@@ -465,7 +467,9 @@ def test_runtime_identity_through_create_stop_start_and_authentication(
     )
     assert len(status.fence_evidence.evidence_digest) == 64
 
-    upstream.call("StopSandbox", upstream.message("StopSandboxRequest", name="t-v01"))
+    upstream.call(
+        "StopSandbox", upstream.message("StopSandboxRequest", sandbox_id="gw-v01", name="t-v01")
+    )
     assert not hv.domains["vmsbx-t-v01"].running
     wrong = f"vmsandbox:{'0' * 32}:0"
     code, message = _code(
@@ -473,6 +477,7 @@ def test_runtime_identity_through_create_stop_start_and_authentication(
             "StartSandbox",
             upstream.message(
                 "StartSandboxRequest",
+                sandbox_id="gw-v01",
                 name="t-v01",
                 generation_id="gen-2",
                 expected_runtime_identity=wrong,
@@ -487,6 +492,7 @@ def test_runtime_identity_through_create_stop_start_and_authentication(
             "StartSandbox",
             upstream.message(
                 "StartSandboxRequest",
+                sandbox_id="gw-v01",
                 name="t-v01",
                 generation_id=generation_id,
                 expected_runtime_identity=expected,
@@ -511,15 +517,21 @@ def test_runtime_identity_through_create_stop_start_and_authentication(
         )
     assert again.runtime_identity == started
 
-    deleted = upstream.call("DeleteSandbox", upstream.message("DeleteSandboxRequest", name="t-v01"))
+    deleted = upstream.call(
+        "DeleteSandbox", upstream.message("DeleteSandboxRequest", sandbox_id="gw-v01", name="t-v01")
+    )
     assert deleted.deleted and "vmsbx-t-v01" not in hv.domains
-    gone = upstream.call("DeleteSandbox", upstream.message("DeleteSandboxRequest", name="t-v01"))
+    gone = upstream.call(
+        "DeleteSandbox", upstream.message("DeleteSandboxRequest", sandbox_id="gw-v01", name="t-v01")
+    )
     assert not gone.deleted
     recreated = upstream.call(
         "CreateSandbox", upstream.message("CreateSandboxRequest", sandbox=request)
     )
     assert recreated.runtime_identity.split(":")[1] != incarnation
-    upstream.call("DeleteSandbox", upstream.message("DeleteSandboxRequest", name="t-v01"))
+    upstream.call(
+        "DeleteSandbox", upstream.message("DeleteSandboxRequest", sandbox_id="gw-v01", name="t-v01")
+    )
 
 
 def _host_bytes(config: Config) -> bytes:

@@ -8,6 +8,7 @@ real guests for the rest.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import socket
@@ -26,7 +27,7 @@ from vmsandbox.guest import control
 from vmsandbox.guest.keys import KeyPair, generate
 from vmsandbox.guest.programs import control as guest_control
 from vmsandbox.guest.ssh import HostKeyMismatch
-from vmsandbox.sandbox import lifecycle, pool, warmpool
+from vmsandbox.sandbox import claim, pool, runner
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.record import names_domain
 from vmsandbox.sandbox.spec import SandboxSpec
@@ -59,8 +60,8 @@ def pooled_guest(manager: SandboxManager) -> str:
     assert spec.name is not None
     creation = manager.pool.creation(spec, spec.name, manager.images.get("tiny"), print)
     creation.wait = False
-    creation.room = lambda: True
-    lifecycle.run(warmpool.FILL_STEPS, creation, manager.locked, manager.checkpoint)
+    creation.pool_key = shape.key
+    runner.run(claim.FILL_STEPS, creation, manager.locked, manager.checkpoint)
     return spec.name
 
 
@@ -160,7 +161,7 @@ def test_a_claim_that_fails_removes_the_guest_it_took(
     manager.checkpoint = stages.append
     with pytest.raises(VmSandboxError):
         manager.create(SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1))
-    assert stages[:3] == ["locked", "reserve", "claim"]
+    assert stages[:3] == ["look", "locked", "claim"]
     assert everything(config, hv) == []
 
 
@@ -217,6 +218,7 @@ def test_reconcile_removes_a_half_claimed_or_half_filled_guest(
         assert dom.data is not None
         dom.data.update(name=name, guest=guest if name != guest else None, creator=dead)
         dom.state = "creating"
+        (config.state_dir / "holds" / f"{dom.uuid}.json").unlink()  # made before them
     assert sorted(manager.reconcile()["removed"]) == sorted(["hit", filling])
     assert everything(config, hv) == []
 
@@ -437,3 +439,13 @@ def test_a_claim_whose_channel_is_silent_fails_by_deadline_and_leaves_nothing(
     finally:
         silent.close()
     assert everything(config, hv) == []
+
+
+def test_a_burst_of_claims_starts_no_second_filler(manager: SandboxManager, config: Config) -> None:
+    """While a filler holds the fill lock, a claim's refill starts no process (a burst of
+    claims used to start one ``pool fill`` each)."""
+    with open(config.state_dir / "pool-fill.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for _ in range(5):
+            manager.pool.refill_in_background()
+    assert not (config.state_dir / "pool-fill.log").exists()  # no process was started

@@ -32,9 +32,8 @@ from conftest import cli, cli_env, leftovers
 from conftest_host import umockdev_run
 
 from vmsandbox.config import Config
-from vmsandbox.errors import FailedPrecondition
+from vmsandbox.errors import FailedPrecondition, NotFound
 from vmsandbox.lock import host_lock
-from vmsandbox.sandbox import lifecycle
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.record import SandboxFiles
 from vmsandbox.sandbox.spec import SandboxSpec, generate_name
@@ -147,11 +146,8 @@ def stop_and_clean(proc: subprocess.Popen[bytes], config: Config, name: str) -> 
 
 def force_remove(config: Config, name: str) -> None:
     """Test cleanup of one of our own sandboxes, whatever state it was left in."""
-    with SandboxManager(config, reconcile=False) as manager:
-        lifecycle.teardown(
-            lifecycle.Remains(manager.hypervisor, config, name, SandboxFiles.of(config, name)),
-            manager.locked,
-        )
+    with SandboxManager(config, reconcile=False) as manager, contextlib.suppress(NotFound):
+        manager.destroy(name)
 
 
 @pytest.fixture

@@ -72,7 +72,7 @@ def test_create_on_a_full_state_disk_fails_clearly_and_leaves_nothing(
     assert caught.value.code in CLEAR_CODES, caught.value.to_dict()
     assert str(cfg.state_dir) in caught.value.message
     assert leftovers(cfg, name) == []
-    assert files_under(cfg.state_dir) == ["host.lock"]
+    assert files_under(cfg.state_dir) == ["host.lock", "host.lock.d/counter"]
 
 
 def test_cli_create_on_a_full_state_disk_is_one_clear_error_line(
@@ -83,7 +83,7 @@ def test_cli_create_on_a_full_state_disk_is_one_clear_error_line(
     done = cli("create", name, "--memory", "256", "--no-wait", config=cfg, timeout=120)
     assert_one_error_line(done, cfg.state_dir)
     assert leftovers(cfg, name) == []
-    assert files_under(cfg.state_dir) == ["host.lock"]
+    assert files_under(cfg.state_dir) == ["host.lock", "host.lock.d/counter"]
 
 
 def test_a_read_only_state_directory_is_failed_precondition(config: Config, tmpfs: Mount) -> None:

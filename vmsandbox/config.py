@@ -4,9 +4,10 @@ File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Enviro
 override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
 ``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
 ``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_GPU_FIRMWARE``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS``
-(comma-separated), and for NVSwitch boards ``VMSANDBOX_FMPM``, ``VMSANDBOX_FM_UNIX_SOCKET``,
-``VMSANDBOX_FM_HOSTNAME``, ``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``,
-``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
+(comma-separated), ``VMSANDBOX_GUEST_OUTBOUND``, ``VMSANDBOX_REQUIRE_GPU_RESET``,
+``VMSANDBOX_LOCK_TIMEOUT``, and for NVSwitch boards ``VMSANDBOX_FMPM``,
+``VMSANDBOX_FMPM_TIMEOUT``, ``VMSANDBOX_FM_UNIX_SOCKET``, ``VMSANDBOX_FM_HOSTNAME``,
+``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``, ``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ _ENV = {
     "network": "VMSANDBOX_NETWORK",
     "boot_timeout": "VMSANDBOX_BOOT_TIMEOUT",
     "openshell_allowed_uids": "VMSANDBOX_OPENSHELL_ALLOWED_UIDS",
+    "guest_outbound": "VMSANDBOX_GUEST_OUTBOUND",
+    "require_gpu_reset": "VMSANDBOX_REQUIRE_GPU_RESET",
+    "lock_timeout": "VMSANDBOX_LOCK_TIMEOUT",
     "fmpm": "VMSANDBOX_FMPM",
+    "fmpm_timeout": "VMSANDBOX_FMPM_TIMEOUT",
     "fm_unix_socket": "VMSANDBOX_FM_UNIX_SOCKET",
     "fm_hostname": "VMSANDBOX_FM_HOSTNAME",
     "fabric_manager": "VMSANDBOX_FABRIC_MANAGER",
@@ -63,7 +68,8 @@ class Config:
     # "user": QEMU user-mode network, guest port 22 forwarded to 127.0.0.1:<free port>.
     # Any other value names a libvirt network; the guest address comes from its DHCP lease.
     network: str = "user"
-    # With "user" networking: whether the guest may open connections to the outside world.
+    # With "user" networking: whether the guest may open connections to the outside world
+    # (never to this host's own addresses: vm/netguard.py).
     guest_outbound: bool = False
     ssh_user: str = "sandbox"
     boot_timeout: float = 300.0  # seconds for a guest without GPUs to answer SSH
@@ -73,6 +79,12 @@ class Config:
     max_gpus: int = 16
     # Pin vCPUs to the host CPUs of the GPUs' NUMA node when a sandbox has GPUs.
     numa_pinning: bool = True
+    # Refuse GPUs the kernel cannot reset (host/discover.py): the next tenant could read the
+    # last one's GPU memory. Off only where GPU memory is cleared by other means.
+    require_gpu_reset: bool = True
+    # Seconds a call waits for its turn at the host lock (vmsandbox/lock.py) before it fails
+    # with DEADLINE_EXCEEDED naming the holder.
+    lock_timeout: float = 60.0
     # Firmware of GPU sandboxes: "uefi" (OVMF, which maps large 64-bit BARs), "bios"
     # (SeaBIOS), or "auto": SeaBIOS for GPUs whose BARs are all small (passthrough.firmware).
     gpu_firmware: str = "auto"
@@ -99,6 +111,7 @@ class Config:
     # instance it talks to: a unix socket (FM_CMD_UNIX_SOCKET_PATH) or a host name or address
     # (FM_CMD_BIND_INTERFACE), at most one; neither is fmpm's default, 127.0.0.1.
     fmpm: str = "fmpm"
+    fmpm_timeout: float = 120.0  # seconds one fmpm command may take (activation trains NVLinks)
     fm_unix_socket: str = ""
     fm_hostname: str = ""
     # Where FM's release is read (``nv-fabricmanager --version``), unless fm_version gives it

@@ -187,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="show",
         help="show (default); fill: boot guests until every shape is full; drain: remove them",
     )
+    pool.add_argument(
+        "--if-idle",
+        action="store_true",
+        help="fill: return at once when another fill runs (background refills use it)",
+    )
 
     images = sub.add_parser("images", parents=common, help="build, import and list guest images")
     images_sub = images.add_subparsers(dest="images_command", required=True, parser_class=_Parser)

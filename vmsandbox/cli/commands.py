@@ -306,7 +306,7 @@ def _cmd_pool(args: argparse.Namespace, out: Output) -> int:
     ``pool drain`` removes the guests not claimed yet."""
     with _manager(progress=args.pool_command == "fill", reconcile=True) as manager:
         if args.pool_command == "fill":
-            made = manager.pool.fill()
+            made = manager.pool.fill(if_idle=args.if_idle)
             out.result({"made": made}, "\n".join(f"made {name}" for name in made) or "full")
             return 0
         if args.pool_command == "drain":

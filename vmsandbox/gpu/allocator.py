@@ -41,11 +41,14 @@ DEFAULT_MAX_GPUS = 16
 _LISTED = 3  # GPUs named one by one in a message before "and N more"
 
 # Placement levels, outermost first: GPUs with an unknown NUMA node count as one node; a GPU
-# behind no switch shares it with nobody, so it is a group of its own.
+# behind no switch shares it with nobody, so it is a group of its own; likewise a GPU with no
+# IOMMU group. The IOMMU group is the unit VFIO hands to one guest: the group's other GPUs are
+# held with it, so a request is best served by whole groups.
 _Level = Callable[[Gpu], Hashable]
 _LEVELS: tuple[_Level, ...] = (
     lambda gpu: gpu.numa_node,
     lambda gpu: gpu.pcie_switch or gpu.bdf,
+    lambda gpu: gpu.bdf if gpu.iommu_group is None else gpu.iommu_group,
 )
 
 
@@ -68,9 +71,11 @@ def select(
     chosen. ``all=True`` takes every such GPU, at most ``max_gpus`` of them.
 
     Placement of ``count`` GPUs among the free ones compares the possible choices by, in
-    order: (1) fewest NUMA nodes spanned, (2) fewest PCIe switches spanned, (3) best fit:
-    take from the node, then the switch, with the fewest free GPUs that can hold them, so
-    whole nodes and switch pairs stay free for larger requests, (4) lowest BDFs. When no node
+    order: (1) fewest NUMA nodes spanned, (2) fewest PCIe switches spanned, (3) fewest IOMMU
+    groups spanned, (4) best fit: take from the node, then the switch, then the IOMMU group,
+    with the fewest free GPUs that can hold them, so whole nodes, switch pairs and groups stay
+    free for larger requests and a one-GPU request takes a GPU alone in its group before one
+    whose group holds others (they would be held with it), (5) lowest BDFs. When no node
     can hold them all, whole nodes are taken largest first and the rest placed the same way.
     On an HGX board (two GPUs per switch, four per node) count 2 takes a switch pair, count 4
     a node, and with one GPU of a pair held, count 1 takes its partner while count 2 takes a

@@ -102,15 +102,26 @@ def plan(
         pin=False,
         firmware=firmware,
     )
-    devices = replace(sized, slots=())  # the boot settings only: no GPU is passed at boot
     pref64 = max(_layout([b for b in gpu.bars if _pref64(b)]) for gpu in gpus)
+    reserve = _power_of_two(pref64) if pref64 else 0
+    # The aperture must hold every spare port's reserve as the firmware sets it aside (a
+    # power of two, aligned to its size), not the GPUs' BARs as they are: 128 GiB + 32 MiB of
+    # BARs take a 256 GiB reserve, and the virtio devices' BARs need room beside them.
+    spare = [(reserve, reserve)] * ports if reserve else []
+    window = max(sized.mmio64_bytes, passthrough.fit_window(spare))
+    devices = replace(
+        sized,
+        slots=(),  # the boot settings only: no GPU is passed at boot
+        mmio64_bytes=window,
+        phys_bits=passthrough.phys_bits(memory_mib, window),
+    )
     mem = max(
         _layout([b for b in gpu.bars if not _pref64(b)]) + COMPANION_MEM * len(gpu.companions)
         for gpu in gpus
     )
     return HotplugPlan(
         ports=ports,
-        pref64_reserve=_power_of_two(pref64) if pref64 else 0,
+        pref64_reserve=reserve,
         mem_reserve=_power_of_two(max(mem, BRIDGE_MEM_GRANULE)),
         devices=devices,
     )

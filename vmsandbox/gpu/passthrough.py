@@ -181,9 +181,18 @@ def mmio64_window(gpus: Sequence[Gpu]) -> int:
     OVMF's default 32 GiB, that holds the GPUs' windows, MMIO64_HEADROOM and OTHER_ROOT_PORTS
     padded ports. One H100 (128 GiB + 32 MiB) needs 256 GiB; eight need 2 TiB.
     """
+    ordered = sorted(gpus, key=lambda gpu: (-_largest_bar(gpu), gpu.bdf))
+    return fit_window([(_largest_bar(gpu), gpu.bar_64bit_prefetchable_total) for gpu in ordered])
+
+
+def fit_window(windows: Sequence[tuple[int, int]]) -> int:
+    """The aperture (a power of two, at least OVMF's 32 GiB) for root ports whose 64-bit
+    prefetchable windows are ``windows`` (alignment, size) in bytes, laid out largest alignment
+    first, plus MMIO64_HEADROOM and OTHER_ROOT_PORTS padded ports (``mmio64_window``). A
+    GPU-ready pooled guest's spare ports pass their reserves here (gpu/hotplug.py)."""
     end = 0
-    for gpu in sorted(gpus, key=lambda gpu: (-_largest_bar(gpu), gpu.bdf)):
-        end = _align_up(end, _largest_bar(gpu)) + gpu.bar_64bit_prefetchable_total
+    for alignment, size in sorted(windows, key=lambda window: -window[0]):
+        end = _align_up(end, alignment) + size
     window = OVMF_DEFAULT_MMIO64
     while end + MMIO64_HEADROOM + OTHER_ROOT_PORTS * (window >> OVMF_PORT_PADDING_SHIFT) > window:
         window *= 2

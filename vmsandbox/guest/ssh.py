@@ -293,46 +293,74 @@ def run(
     """
     client = connect(endpoint, keys)
     try:
-        transport = client.get_transport()
-        assert transport is not None
-        channel = transport.open_session()
-        channel.settimeout(timeout)
-        channel.exec_command(command)
-        if stdin is not None:
-            channel.sendall(stdin)
-        channel.shutdown_write()
-        out_sink = stdout or io.BytesIO()
-        err_sink = stderr or io.BytesIO()
-        deadline = time.monotonic() + timeout if timeout else None
-        while True:
-            got = False
-            if channel.recv_ready():
-                out_sink.write(channel.recv(65536))
-                got = True
-            if channel.recv_stderr_ready():
-                err_sink.write(channel.recv_stderr(65536))
-                got = True
-            if (
-                channel.exit_status_ready()
-                and not channel.recv_ready()
-                and not (channel.recv_stderr_ready())
-            ):
-                break
-            if deadline and time.monotonic() > deadline:
-                raise DeadlineExceeded(f"command did not finish within {timeout}s: {command}")
-            if not got:
-                time.sleep(0.01)
-            for sink in (out_sink, err_sink):
-                if sink in (sys.stdout.buffer, sys.stderr.buffer):
-                    sink.flush()
-        status = channel.recv_exit_status()
-        return ExecResult(
-            exit_status=status,
-            stdout=out_sink.getvalue().decode(errors="replace") if stdout is None else "",
-            stderr=err_sink.getvalue().decode(errors="replace") if stderr is None else "",
-        )
+        return _session(client, command, timeout, stdout, stderr, stdin)
+    except DeadlineExceeded:
+        raise
+    except (OSError, EOFError, _paramiko().SSHException) as exc:
+        # The guest dropped the session midway (its sshd restarted, its network went, the
+        # guest stopped): UNAVAILABLE, like a guest that does not answer at all.
+        where = f"{endpoint.host}:{endpoint.port}"
+        raise Unavailable(
+            f"the guest's SSH session at {where} broke while running a command: "
+            f"{type(exc).__name__}: {str(exc) or 'the connection closed'}",
+            details={"host": endpoint.host, "port": endpoint.port},
+        ) from exc
     finally:
         client.close()
+
+
+def _session(
+    client: paramiko.SSHClient,
+    command: str,
+    timeout: float | None,
+    stdout: IO[bytes] | None,
+    stderr: IO[bytes] | None,
+    stdin: bytes | None,
+) -> ExecResult:
+    transport = client.get_transport()
+    if transport is None:
+        raise EOFError("the SSH transport is closed")
+    channel = transport.open_session()
+    channel.settimeout(timeout)
+    channel.exec_command(command)
+    if stdin is not None:
+        channel.sendall(stdin)
+    channel.shutdown_write()
+    out_sink = stdout or io.BytesIO()
+    err_sink = stderr or io.BytesIO()
+    deadline = time.monotonic() + timeout if timeout else None
+    while True:
+        got = False
+        if channel.recv_ready():
+            out_sink.write(channel.recv(65536))
+            got = True
+        if channel.recv_stderr_ready():
+            err_sink.write(channel.recv_stderr(65536))
+            got = True
+        if (
+            channel.exit_status_ready()
+            and not channel.recv_ready()
+            and not (channel.recv_stderr_ready())
+        ):
+            break
+        if channel.closed and not got and not channel.exit_status_ready():
+            raise EOFError("the guest closed the session before the command exited")
+        if deadline and time.monotonic() > deadline:
+            raise DeadlineExceeded(f"command did not finish within {timeout}s: {command}")
+        if not got:
+            time.sleep(0.01)
+        for sink in (out_sink, err_sink):
+            if sink in (sys.stdout.buffer, sys.stderr.buffer):
+                sink.flush()
+    status = channel.recv_exit_status()
+    if status == -1 and not transport.is_active():
+        # paramiko's "no exit status" when the connection went away before the command ended
+        raise EOFError("the guest closed the connection before the command exited")
+    return ExecResult(
+        exit_status=status,
+        stdout=out_sink.getvalue().decode(errors="replace") if stdout is None else "",
+        stderr=err_sink.getvalue().decode(errors="replace") if stderr is None else "",
+    )
 
 
 def shell_command(command: Sequence[str] | str) -> str:

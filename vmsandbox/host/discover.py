@@ -6,8 +6,14 @@ NVSwitches: listed as fabric, never as GPUs.
 
 A GPU is bindable (libvirt can detach it to vfio-pci for a guest) when the IOMMU is on, the GPU
 has an IOMMU group, every other member of that group is a companion function of the same card,
-a PCI bridge or already on vfio-pci, it is not the boot VGA device, and no host process holds
-it open. Whether a libvirt domain already holds it is reported apart (``in_use_by``).
+a PCI bridge or already on vfio-pci, it is not the boot VGA device, no host process holds it
+open, and the kernel can reset it (``reset_method`` in sysfs names a method: without one the
+next guest could read what the last left in its memory; ``require_reset=False`` drops this
+rule, for hosts whose operator clears GPUs otherwise).
+
+Whether a libvirt domain already holds it is reported apart (``in_use_by``), and the IOMMU
+group is the unit: a GPU is held when any function of its group is (VFIO gives a whole group
+to one guest), so two GPUs behind a switch without ACS never go to two sandboxes.
 
 ``pcie_switch``: the GPU's parent bridge is a switch downstream port when that bridge has a PCI
 parent of its own; that grandparent is the switch's upstream port. A GPU behind a root port
@@ -23,7 +29,7 @@ from collections.abc import Mapping
 from . import pci_ids
 from .bars import parse_resource, prefetchable_64bit_total
 from .bdf import canonical_bdf, slot_of
-from .model import FabricDevice, Gpu, Inventory
+from .model import FabricDevice, Gpu, Inventory, group_holder
 from .nvml import NvmlApi, NvmlGpu, NvmlReport, read_nvml
 from .processes import device_node_holders, drm_nodes, nvidia_minors, process_name
 from .sysfs import PciFunction, scan_pci
@@ -38,6 +44,11 @@ VFIO_DRIVER = "vfio-pci"
 NVIDIA_DRIVER = "nvidia"
 AMDGPU_DRIVER = "amdgpu"
 _UNIFIED_NAME_RE = re.compile(r"\b(?:gb10|tegra|thor)\b", re.I)
+NO_RESET = (
+    "the kernel has no reset method for it (sysfs reset_method is empty or absent), so the "
+    "next guest could read what the last one left in its memory; set require_gpu_reset = "
+    "false only if this host clears GPU memory by other means"
+)
 IOMMU_OFF = (
     "IOMMU is off on this host (no PCI device has an iommu_group); "
     "enable intel_iommu=on or amd_iommu=on"
@@ -114,7 +125,12 @@ class _Host:
         return parent.parent_bdf
 
     def reasons(
-        self, gpu: PciFunction, companions: tuple[str, ...], pids: set[int], proc_root: str
+        self,
+        gpu: PciFunction,
+        companions: tuple[str, ...],
+        pids: set[int],
+        proc_root: str,
+        require_reset: bool = True,
     ) -> list[str]:
         """Readable sentences saying why the GPU cannot go to a guest; empty when it can."""
         reasons: list[str] = []
@@ -140,6 +156,8 @@ class _Host:
                 f"pid {pid} ({process_name(pid, proc_root) or '?'})" for pid in sorted(pids)
             )
             reasons.append(f"host processes hold it open: {held}")
+        if require_reset and not gpu.reset_methods:
+            reasons.append(NO_RESET)
         return reasons
 
 
@@ -209,12 +227,15 @@ def discover(
     use_nvml: bool = True,
     proc_root: str = "/proc",
     nvml: NvmlApi | None = None,
+    require_reset: bool = True,
 ) -> Inventory:
     """Inventory of the host's GPUs and GPU fabric devices.
 
     ``in_use`` maps BDF -> name of the libvirt domain holding it (see
-    ``libvirt_hostdev_holders``). ``nvml`` replaces pynvml (a test seam); NVML is asked only
-    when ``use_nvml`` and some GPU is on the nvidia driver. ``proc_root`` is where /proc is.
+    ``libvirt_hostdev_holders``); a GPU is held by the holder of any function of its IOMMU
+    group. ``nvml`` replaces pynvml (a test seam); NVML is asked only when ``use_nvml`` and
+    some GPU is on the nvidia driver. ``proc_root`` is where /proc is. ``require_reset``: a
+    GPU the kernel cannot reset is not bindable (see the module docstring).
     """
     host = _Host(scan_pci())
     holders = {canonical_bdf(bdf): name for bdf, name in (in_use or {}).items()}
@@ -235,7 +256,8 @@ def discover(
         bars = parse_resource(function.resource)
         name = _name(function, nvml_gpu.name if nvml_gpu else None)
         memory_mib, memory_source = _memory(function, nvml_gpu, name)
-        reasons = host.reasons(function, companion_bdfs, pids, proc_root)
+        reasons = host.reasons(function, companion_bdfs, pids, proc_root, require_reset)
+        members = tuple(m.bdf for m in host.group_members(function))
         gpus.append(
             Gpu(
                 bdf=function.bdf,
@@ -247,7 +269,7 @@ def discover(
                 driver=function.driver,
                 numa_node=function.numa_node,
                 iommu_group=function.iommu_group,
-                group_members=tuple(m.bdf for m in host.group_members(function)),
+                group_members=members,
                 companions=companion_bdfs,
                 companion_ids=tuple((c.vendor_id, c.device_id) for c in companions),
                 bars=bars,
@@ -257,10 +279,8 @@ def discover(
                 uuid=nvml_gpu.uuid if nvml_gpu else _rocm_uuid(function),
                 bindable=not reasons,
                 reasons=tuple(reasons),
-                # held when any function of its slot is: companions go along with the GPU
-                in_use_by=next(
-                    (holders[b] for b in (function.bdf, *companion_bdfs) if b in holders), None
-                ),
+                # held when any function of its slot or its IOMMU group is (group_holder)
+                in_use_by=group_holder((function.bdf, *companion_bdfs, *members), holders),
                 index=index,
                 pcie_switch=host.pcie_switch(function),
                 boot_vga=function.boot_vga,

@@ -39,18 +39,27 @@ def _domain_xmls(domain: libvirt.virDomain) -> list[str]:
     return xmls
 
 
+def domain_hostdevs(domain: libvirt.virDomain) -> tuple[str, ...]:
+    """Canonical BDFs one domain holds: its persistent XML's, and its live XML's while it runs
+    (a device attached live). libvirtError when the domain cannot be read."""
+    found: dict[str, None] = {}
+    for xml in _domain_xmls(domain):
+        found.update(dict.fromkeys(hostdev_addresses(xml)))
+    return tuple(found)
+
+
 def libvirt_hostdev_holders(conn: libvirt.virConnect) -> dict[str, str]:
-    """Map canonical BDF -> name of the domain whose XML holds it, over all domains."""
+    """Map canonical BDF -> name of the domain whose XML holds it, over all domains. Any
+    error but a domain undefined while it was read propagates: a holder left out would make
+    its GPU look free."""
     holders: dict[str, str] = {}
     for domain in conn.listAllDomains(0):
         try:
-            xmls = _domain_xmls(domain)
+            held = domain_hostdevs(domain)
         except libvirt.libvirtError as exc:
             if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
                 continue  # undefined between listing and reading
             raise
-        name = domain.name()
-        for xml in xmls:
-            for bdf in hostdev_addresses(xml):
-                holders.setdefault(bdf, name)
+        for bdf in held:
+            holders.setdefault(bdf, domain.name())
     return holders

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -118,3 +119,25 @@ class Inventory:
     def by_device_id(self, device_id: str) -> Gpu | None:
         """The GPU a canonical device id names: BDF, index, UUID or DRM card name."""
         return next((gpu for gpu in self.gpus if device_id in gpu.device_ids()), None)
+
+
+def group_holder(functions: Iterable[str], holders: Mapping[str, str]) -> str | None:
+    """The holder of the first of ``functions`` (a GPU, its companions, the rest of its IOMMU
+    group) that ``holders`` (BDF -> domain) names: VFIO gives a whole group to one guest, so
+    a GPU is held when any function of its group is."""
+    return next((holders[bdf] for bdf in functions if bdf in holders), None)
+
+
+def with_holders(inventory: Inventory, holders: Mapping[str, str]) -> Inventory:
+    """``inventory`` with every ``in_use_by`` read again from ``holders`` (BDF -> domain): the
+    allocation under the host lock puts the reservations it finds there on top of the view
+    discovery read before it."""
+    gpus = tuple(
+        replace(
+            gpu,
+            in_use_by=group_holder((gpu.bdf, *gpu.companions, *gpu.group_members), holders),
+        )
+        for gpu in inventory.gpus
+    )
+    fabric = tuple(replace(dev, in_use_by=holders.get(dev.bdf)) for dev in inventory.fabric)
+    return replace(inventory, gpus=gpus, fabric=fabric)

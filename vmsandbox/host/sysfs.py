@@ -114,6 +114,16 @@ class PciFunction:
         return self._attribute("boot_vga") == "1"
 
     @cached_property
+    def reset_methods(self) -> tuple[str, ...]:
+        """How the kernel can reset the function: the words of ``reset_method`` (Linux 5.15
+        and later: "flr bus", "pm", ...; the file is absent when there is none); on older
+        kernels, whose ``reset`` file exists only when there is one, ("reset",)."""
+        listed = self._attribute("reset_method")
+        if listed is not None:
+            return tuple(listed.split())
+        return ("reset",) if os.path.exists(f"{self.sys_path}/reset") else ()
+
+    @cached_property
     def unique_id(self) -> str | None:
         """amdgpu's ``unique_id`` attribute: the 16 hex digits behind ROCm's GPU UUID."""
         return self._attribute("unique_id") or None

@@ -6,6 +6,11 @@ connection (sandboxes of other state directories share the image store): each di
 chain (``qemu-img info --backing-chain``, which also finds a chain libvirt has not probed), and,
 for vmsandbox domains, the image build their record names (a sandbox whose overlay is gone still
 counts: destroy is what ends its claim).
+
+It fails closed: a domain that cannot be read (libvirtd restarting, say), or a disk that exists
+but whose backing chain ``qemu-img`` cannot read, aborts the answer with an error; a build is
+never taken for unused because its user could not be seen. Only a domain undefined while it
+was being read, and a disk that is gone, use nothing.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from pathlib import Path
 import libvirt
 from lxml import etree
 
+from vmsandbox.errors import FailedPrecondition
 from vmsandbox.image.store import ImageStore
 from vmsandbox.vm import domain as domain_xml
-from vmsandbox.vm.hypervisor import libvirt_errors
+from vmsandbox.vm.hypervisor import libvirt_errors, translate
 
 
 def image_users(conn: libvirt.virConnect, store: ImageStore) -> dict[Path, list[str]]:
@@ -31,8 +37,11 @@ def image_users(conn: libvirt.virConnect, store: ImageStore) -> dict[Path, list[
     for dom in domains:
         try:
             xml = dom.XMLDesc(0)
-        except libvirt.libvirtError:
-            continue  # vanished while we looked: it uses nothing now
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                continue  # undefined while we looked: it uses nothing now
+            doing = f"reading domain {dom.name()!r} to see which images it uses"
+            raise translate(exc, doing) from exc
         parsed = domain_xml.read_metadata(xml)
         record = parsed[0] if parsed is not None else {}
         who = str(record.get("name") or dom.name())
@@ -60,18 +69,25 @@ def _backing_files(xml: str) -> set[str]:
 
 def _chain(path: str) -> list[str]:
     """The backing files below ``path`` (``-U``: the disk of a running guest is locked)."""
+    if not Path(path).exists():
+        return []  # an overlay that is gone backs onto nothing
     done = subprocess.run(
         ["qemu-img", "info", "-U", "--backing-chain", "--output=json", path],
         capture_output=True,
         text=True,
         check=False,
     )
-    if done.returncode != 0:
-        return []  # an overlay that is gone or unreadable backs onto nothing we can see
     try:
-        chain = json.loads(done.stdout)
+        chain = json.loads(done.stdout) if done.returncode == 0 else None
     except ValueError:
-        return []
+        chain = None
+    if not isinstance(chain, list):
+        raise FailedPrecondition(
+            f"the backing chain of disk {path} cannot be read (qemu-img info: "
+            f"{done.stderr.strip() or 'no JSON'}): not removing images while a domain's "
+            "disks cannot be seen",
+            details={"disk": path},
+        )
     return [str(layer["filename"]) for layer in chain if isinstance(layer, dict)]
 
 

@@ -34,8 +34,8 @@ _RECONNECT_SECONDS = 2.0
 @dataclass(frozen=True)
 class DomainEvent:
     """One change: the domain's name without ``vmsbx-`` (None: resend everything), which is
-    the sandbox's name, or a claimed pooled guest's (the manager finds its sandbox by it too),
-    and whether it was undefined (gone)."""
+    the sandbox's name, or a claimed pooled guest's (the service finds the sandbox by its
+    domain, ``SandboxStore.by_domain``), and whether it was undefined (gone)."""
 
     name: str | None
     gone: bool = False

@@ -68,11 +68,12 @@ class Launches:
         with self._lock:
             return self._failures.get(domain)
 
-    def launch(self, name: str) -> None:
-        """Launch the workload of a ready sandbox of ours (``launch``) with the credentials
-        waiting for it; a failure is kept for its snapshots, and raised."""
+    def launch(self, name: str, uuid: str | None = None) -> None:
+        """Launch the workload of a ready sandbox of ours (``launch``; with ``uuid``, only the
+        sandbox of that identity) with the credentials waiting for it; a failure is kept for
+        its snapshots, and raised."""
         with self._manager() as manager:
-            sandbox = manager.get(name)
+            sandbox = manager.get(name, uuid=uuid)
             workload = Workload.of(sandbox.labels)
             if workload is None or sandbox.ssh is None:
                 return

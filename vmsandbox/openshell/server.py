@@ -29,6 +29,10 @@ from vmsandbox.openshell.socket import PeerGate
 log = logging.getLogger("vmsandbox.openshell")
 _WORKERS = 32  # each open watch stream holds one
 _STOP_GRACE = 5.0  # seconds in-flight RPCs get to finish at shutdown
+# Seconds between the main thread's looks at the stop flag. A SIGTERM that the kernel hands to
+# another thread (gRPC's, a readiness wait) does not interrupt a wait without a timeout, and
+# Python runs its handler only once the main thread runs again.
+_SIGNAL_POLL = 1.0
 
 
 def serve(socket_path: str, config: Config | None = None) -> int:
@@ -59,7 +63,8 @@ def serve(socket_path: str, config: Config | None = None) -> int:
         gate.start()
         driver.resume()
         log.info("serving the OpenShell compute driver on %s", socket_path)
-        stop.wait()
+        while not stop.wait(_SIGNAL_POLL):
+            pass
         log.info("stopping")
     finally:  # a failure to start propagates: the CLI prints its code and message
         if gate is not None:

@@ -3,11 +3,19 @@ SandboxManager.
 
 - GetCapabilities negotiates the extension protocol (``negotiation``) and states the
   operator's resource admission policy (``admission``).
-- CreateSandbox defines the sandbox (GPUs chosen under the host lock), starts it and returns
-  its runtime identity (``identity``); a background thread then waits for SSH and the in-guest
-  GPU check (``SandboxManager.wait``) and launches the workload (``launch``), whose outcome
-  reaches the gateway as a snapshot on the watch stream. A start that libvirt refuses (a GPU
-  that cannot be passed through) removes the sandbox before the error returns.
+- Every request addresses a sandbox by the gateway's ``sandbox_id`` (kept as the label
+  ID_LABEL), never by name: only a sandbox this driver made (this state directory's, with that
+  id) is found, and the action then names its domain UUID, so a sandbox made since under the
+  same name is never touched. An empty id is INVALID_ARGUMENT; an unknown one NOT_FOUND.
+- CreateSandbox makes and starts the sandbox in one create (GPUs reserved under the host lock,
+  the record ``creating`` until QEMU runs, so a server killed meanwhile leaves it to
+  reconcile), records the gateway's generation and returns the runtime identity
+  (``identity``); a background thread then waits for SSH and the in-guest GPU check
+  (``SandboxManager.wait``) and launches the workload (``launch``, ``readiness``), whose
+  outcome reaches the gateway as a snapshot on the watch stream. A failed create has taken
+  itself apart; a reconcile runs behind it for whatever its cleanup could not remove. At start
+  the server reconciles, waits again for the sandboxes a killed server left started or
+  starting, and launches the ready ones (a no-op in a guest launched this boot).
 - Stop/Start map to ``SandboxManager.stop/start`` (disk and GPUs kept). Start first checks
   ``expected_runtime_identity``, records ``generation_id`` and returns the new runtime
   identity; its launch credentials go to the guest at the launch that follows the boot.
@@ -20,6 +28,9 @@ SandboxManager.
   (``events.DomainEvents``) and a deleted event when its domain is undefined.
 - With a supervisor configured, every ready sandbox gets an SSH tunnel to the gateway
   (``tunnel.GatewayTunnels``).
+- Snapshots of ready sandboxes read their main process over SSH, several at once and briefly
+  (``_MAIN_QUERY_TIMEOUT``); a guest that does not answer, or drops the session, leaves that
+  condition out, never the snapshot.
 - EnsureWorkspace/DeleteWorkspace succeed with nothing to do: a vmsandbox host has no
   workspace-level resources.
 - AuthenticateSandbox answers the gateway id and runtime identity of the sandbox whose token
@@ -37,6 +48,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -44,6 +56,7 @@ import grpc
 import vmsandbox
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandboxError
+from vmsandbox.guest.ssh import run as ssh_run
 from vmsandbox.openshell import negotiation
 from vmsandbox.openshell.admission import AdmissionPolicy
 from vmsandbox.openshell.events import DomainEvent, EventSource
@@ -52,25 +65,21 @@ from vmsandbox.openshell.launch import LaunchCredentials
 from vmsandbox.openshell.launches import Launches
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
-from vmsandbox.openshell.request import (
-    DEFAULT_IMAGE,
-    ID_LABEL,
-    Translated,
-    sandbox_name,
-    translate,
-)
+from vmsandbox.openshell.readiness import Readiness
+from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, Translated, translate
 from vmsandbox.openshell.status import GUEST_QUERY, GuestState, guest_state, snapshot
 from vmsandbox.openshell.supervisor import Supervisor
 from vmsandbox.openshell.transitions import Transitions
 from vmsandbox.openshell.tunnel import GatewayTunnels
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.manager import SandboxManager
-from vmsandbox.sandbox.record import DOMAIN_PREFIX, STATE_READY
+from vmsandbox.sandbox.record import DOMAIN_PREFIX, STATE_READY, STATE_STARTED, STATE_STARTING
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _WATCH_TICK = 1.0  # seconds between checks that a watching gateway is still there
-_GUEST_QUERY_TIMEOUT = 20.0  # seconds for reading the guest's state over SSH
+_GUEST_QUERY_TIMEOUT = 5.0  # seconds for reading a guest's state over SSH
+_GUEST_QUERIES = 8  # guest-state queries of one snapshot listing at once
 
 
 class ComputeDriver(pb_grpc.ComputeDriverServicer):
@@ -98,6 +107,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         self._ids: dict[str, str] = {}
         self._ids_lock = threading.Lock()
         self.launches = Launches(self._manager, self.events.changed)
+        self.readiness = Readiness(self._manager, self.launches, self.tunnels)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -118,14 +128,23 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
                 self._ids[sandbox.domain] = sandbox.labels[ID_LABEL]
 
     def _snapshot(self, manager: SandboxManager, sandbox: Sandbox) -> pb.DriverSandbox:
+        return self._stamped(sandbox, self._guest_state(manager, sandbox))
+
+    def _stamped(self, sandbox: Sandbox, guest: GuestState | None) -> pb.DriverSandbox:
         self._remember(sandbox)
         snap = snapshot(
             sandbox,
-            self._guest_state(manager, sandbox),
+            guest,
             launch_failure=self.launches.failure(sandbox.domain),
             network=self.config.network,
         )
         return self.transitions.stamp(snap)
+
+    def _snapshots(self, manager: SandboxManager, sandboxes: list[Sandbox]) -> list[Any]:
+        """Snapshots of ``sandboxes``, their guests' states read in parallel."""
+        with ThreadPoolExecutor(max_workers=_GUEST_QUERIES) as pool:
+            states = list(pool.map(lambda s: self._guest_state(manager, s), sandboxes))
+        return [self._stamped(s, state) for s, state in zip(sandboxes, states, strict=True)]
 
     def _guest_state(self, manager: SandboxManager, sandbox: Sandbox) -> GuestState | None:
         """The main process and launched identity of a ready sandbox, read over SSH; None when
@@ -133,8 +152,13 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         if sandbox.state != STATE_READY or sandbox.ssh is None:
             return None
         try:
-            shown = manager.exec(sandbox.name, GUEST_QUERY, timeout=_GUEST_QUERY_TIMEOUT)
-        except VmSandboxError:
+            keys = manager.keys_of(sandbox)
+            shown = ssh_run(sandbox.ssh, keys, GUEST_QUERY, timeout=_GUEST_QUERY_TIMEOUT)
+        except VmSandboxError as exc:
+            log.info("guest state of %s: %s: %s", sandbox.name, exc.code, exc.message)
+            return None
+        if shown.exit_status != 0:  # the query ends in `true`: its session was cut short
+            log.info("guest state of %s: the query ended %d", sandbox.name, shown.exit_status)
             return None
         return guest_state(shown.stdout)
 
@@ -151,48 +175,39 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         )
 
     def _ours(self, manager: SandboxManager) -> list[Sandbox]:
-        """The sandboxes this driver made (those carrying a gateway id)."""
-        return [sandbox for sandbox in manager.list() if sandbox.labels.get(ID_LABEL)]
+        """The sandboxes this driver made: this state directory's, carrying a gateway id."""
+        return [s for s in manager.list() if s.labels.get(ID_LABEL) and s.local]
 
-    def _find(self, manager: SandboxManager, sandbox_id: str, name: str) -> Sandbox:
-        """The sandbox a request names (by name, else by the gateway id); NOT_FOUND if none."""
-        wanted = sandbox_name(name, sandbox_id)
-        with contextlib.suppress(NotFound):
-            return manager.get(wanted)
+    def _find(self, manager: SandboxManager, sandbox_id: str) -> Sandbox:
+        """The sandbox with gateway id ``sandbox_id`` (never found by name: a name can be
+        another tenant's, or a later sandbox's); NOT_FOUND if none."""
+        if not sandbox_id:
+            raise InvalidArgument(
+                "sandbox_id is empty: the driver finds sandboxes by the gateway's id only",
+                details={"field": "sandbox_id"},
+            )
         for sandbox in self._ours(manager):
-            if sandbox_id and sandbox.labels.get(ID_LABEL) == sandbox_id:
+            if sandbox.labels.get(ID_LABEL) == sandbox_id:
                 return sandbox
         raise NotFound(
-            f"sandbox {name or sandbox_id!r} does not exist",
-            details={"sandbox_id": sandbox_id, "name": name},
+            f"no sandbox with id {sandbox_id!r} was made by this driver",
+            details={"sandbox_id": sandbox_id},
         )
 
-    def _become_ready(self, name: str, *, wait: bool = True) -> None:
-        """In the background: wait for SSH and the GPU check (``wait``), then launch the
-        workload; the outcome lands in the domain's record, which libvirt announces to the
-        watchers, or, for the launch, in the snapshots (``events.changed`` tells them)."""
-
-        def run() -> None:
-            try:
-                if wait:
-                    with self._manager() as manager:
-                        manager.wait(name)
-                    log.info("sandbox %s is ready", name)
-                self.launches.launch(name)
-                if self.tunnels is not None:
-                    self.tunnels.ensure(name)
-            except VmSandboxError as exc:
-                log.warning("sandbox %s did not become ready: %s: %s", name, exc.code, exc.message)
-
-        threading.Thread(target=run, name=f"ready-{name}", daemon=True).start()
-
     def resume(self) -> None:
-        """At start: launch every ready sandbox of ours (a no-op in a guest launched this
-        boot) and open a tunnel into it (a supervisor in each dials the gateway through it)."""
+        """At start: reconcile (a killed server's half-made sandboxes), then wait again for
+        sandboxes of ours left started or starting by a server that is gone, and launch every
+        ready one and open a tunnel into it (a supervisor in each dials the gateway)."""
         with self._manager() as manager:
-            ready = [s.name for s in self._ours(manager) if s.state == STATE_READY]
-        for name in ready:
-            self._become_ready(name, wait=False)
+            try:
+                manager.reconcile()
+            except VmSandboxError as exc:  # serving goes on; the next reconcile repairs
+                log.warning("reconcile at start: %s: %s", exc.code, exc.message)
+            for sandbox in self._ours(manager):
+                if sandbox.state in (STATE_STARTED, STATE_STARTING):
+                    self.readiness.become_ready(sandbox.name, sandbox.uuid)
+                elif sandbox.state == STATE_READY:
+                    self.readiness.become_ready(sandbox.name, sandbox.uuid, wait=False)
 
     def close(self) -> None:
         if self.tunnels is not None:
@@ -264,23 +279,25 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         def create() -> str:
             with self._manager() as manager:
                 wanted = self._translate(manager, request.sandbox)
-                sandbox = manager.create(wanted.spec, start=False)
+                try:
+                    sandbox = manager.create(wanted.spec, wait=False)
+                except VmSandboxError:
+                    self.readiness.reconcile_behind()
+                    raise
                 self._remember(sandbox)
                 credentials = wanted.credentials
-                try:
-                    if credentials is not None and credentials.runtime_generation:
+                if credentials is not None and credentials.runtime_generation:
+                    try:
                         sandbox = manager.set_generation(
-                            wanted.name, credentials.runtime_generation
+                            sandbox.name, credentials.runtime_generation, uuid=sandbox.uuid
                         )
-                    self.launches.hold(sandbox.domain, credentials)
-                    manager.start(wanted.name, wait=False)
-                except VmSandboxError:
-                    self.launches.drop(sandbox.domain)
-                    with contextlib.suppress(VmSandboxError):
-                        manager.destroy(wanted.name)
-                    raise
+                    except VmSandboxError:
+                        with contextlib.suppress(VmSandboxError):
+                            manager.destroy(sandbox.name, uuid=sandbox.uuid)
+                        raise
+                self.launches.hold(sandbox.domain, credentials)
             log.info("sandbox %s (%s) started", wanted.name, request.sandbox.id)
-            self._become_ready(wanted.name)
+            self.readiness.become_ready(sandbox.name, sandbox.uuid)
             return str(RuntimeIdentity.of(sandbox))
 
         identity = self._call(context, "CreateSandbox", create)
@@ -289,23 +306,22 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def GetSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def get() -> pb.DriverSandbox:
             with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id, request.name)
-                return self._snapshot(manager, found)
+                return self._snapshot(manager, self._find(manager, request.sandbox_id))
 
         return pb.GetSandboxResponse(sandbox=self._call(context, "GetSandbox", get))
 
     def ListSandboxes(self, request: Any, context: grpc.ServicerContext) -> Any:
         def listing() -> list[pb.DriverSandbox]:
             with self._manager() as manager:
-                return [self._snapshot(manager, sandbox) for sandbox in self._ours(manager)]
+                return self._snapshots(manager, self._ours(manager))
 
         return pb.ListSandboxesResponse(sandboxes=self._call(context, "ListSandboxes", listing))
 
     def StopSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def stop() -> None:
             with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id, request.name)
-                manager.stop(found.name)
+                found = self._find(manager, request.sandbox_id)
+                manager.stop(found.name, uuid=found.uuid)
 
         self._call(context, "StopSandbox", stop)
         return pb.StopSandboxResponse()
@@ -316,7 +332,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
 
         def start() -> str:
             with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id, request.name)
+                found = self._find(manager, request.sandbox_id)
                 RuntimeIdentity.of(found).check_start(
                     request.expected_runtime_identity, request.generation_id
                 )
@@ -327,13 +343,13 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
                     else None
                 )
                 self.launches.restart(found.domain, credentials)
-                started = manager.start(found.name, wait=False)
+                started = manager.start(found.name, wait=False, uuid=found.uuid)
                 if generation and generation != started.generation:
-                    started = manager.set_generation(found.name, generation)
+                    started = manager.set_generation(found.name, generation, uuid=found.uuid)
             if started.state != STATE_READY:
-                self._become_ready(found.name)
+                self.readiness.become_ready(found.name, found.uuid)
             elif credentials is not None:
-                self._become_ready(found.name, wait=False)
+                self.readiness.become_ready(found.name, found.uuid, wait=False)
             return str(RuntimeIdentity.of(started))
 
         identity = self._call(context, "StartSandbox", start)
@@ -343,11 +359,11 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         def delete() -> bool:
             with self._manager() as manager:
                 try:
-                    found = self._find(manager, request.sandbox_id, request.name)
+                    found = self._find(manager, request.sandbox_id)
+                    self._remember(found)
+                    manager.destroy(found.name, uuid=found.uuid)
                 except NotFound:
                     return False
-                self._remember(found)
-                manager.destroy(found.name)
             self.transitions.forget(found.domain)
             self.launches.forget(found.domain)
             log.info("sandbox %s deleted", found.name)
@@ -379,7 +395,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def _everything(self, context: grpc.ServicerContext) -> Iterator[Any]:
         def listing() -> list[pb.DriverSandbox]:
             with self._manager() as manager:
-                return [self._snapshot(manager, sandbox) for sandbox in self._ours(manager)]
+                return self._snapshots(manager, self._ours(manager))
 
         for snap in self._call(context, "WatchSandboxes", listing):
             yield _sandbox_event(snap)
@@ -399,8 +415,12 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             return
         try:
             with self._manager() as manager:
-                sandbox = manager.get(event.name)
-                snap = self._snapshot(manager, sandbox) if sandbox.labels.get(ID_LABEL) else None
+                found = manager.store.by_domain(DOMAIN_PREFIX + event.name)
+                if found is None:
+                    return  # undefined since: its own event follows
+                sandbox = manager.store.view(found.record, found.state, found.uuid)
+                ours = sandbox.labels.get(ID_LABEL) and sandbox.local
+                snap = self._snapshot(manager, sandbox) if ours else None
         except (NotFound, InvalidArgument):
             return  # undefined since: its own event follows
         except VmSandboxError as exc:

@@ -8,8 +8,9 @@ allowed, and relays the others byte for byte to gRPC's own socket, which sits in
 of its own that only this user can reach.
 
 Allowed: the server's own uid, and those listed in the config (``openshell_allowed_uids``).
-Modes: folder 0700 and socket 0600 when only the own uid is allowed; with other uids allowed,
-folder 0711 and socket 0666, so they can reach it at all and the peer check decides.
+Modes: socket 0600 when only the own uid is allowed, 0666 with other uids allowed (so they can
+reach it at all, and the peer check decides); a folder the server makes for it is 0700, or
+0711 with other uids allowed. A folder that exists already (/run, /tmp) keeps its mode.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def peer_uid(conn: socket.socket) -> int:
 
 
 def prepare_socket_path(path: Path, *, shared: bool) -> None:
-    """Make the socket's folder (0700, or 0711 when ``shared``) and remove a stale socket."""
+    """Make the socket's folder when it is missing (0700, or 0711 when ``shared``) and remove
+    a stale socket. A folder that exists is left as it is: it may be /run or /tmp, which
+    others use too; the socket's own mode and the peer check protect it."""
     if len(os.fsencode(path)) > _UNIX_PATH_MAX:
         raise InvalidArgument(
             f"socket path {path} is longer than {_UNIX_PATH_MAX} bytes, the most a Unix "
@@ -46,8 +49,9 @@ def prepare_socket_path(path: Path, *, shared: bool) -> None:
             details={"field": "openshell_socket", "value": str(path)},
         )
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(path.parent, 0o711 if shared else 0o700)
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True)
+            os.chmod(path.parent, 0o711 if shared else 0o700)  # the umask may have taken bits
         if path.is_symlink() or path.exists():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise FailedPrecondition(f"{path} exists and is not a socket; not replacing it")

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from vmsandbox.guest.keys import SandboxKeys
 from vmsandbox.guest.ssh import Endpoint, wait_ready
 from vmsandbox.progress import Progress
@@ -102,7 +102,11 @@ class BootWatch:
                 + _console_section(tail),
                 details={"console_line": fatal, "console_tail": tail},
             )
-        if not self.hypervisor.running(self.domain):
+        try:
+            running = self.hypervisor.running(self.domain)
+        except Unavailable:
+            return True  # libvirtd restarting: cannot tell, so the wait goes on (fail closed)
+        if not running:
             reason = self.hypervisor.stop_reason(self.domain)
             qemu = console.tail(self.files.qemu_log, 5) if self.files.qemu_log else ""
             tail = console.tail(self.files.console_log, CONSOLE_LINES)

@@ -1,13 +1,13 @@
 """The GPU steps of claiming a GPU-ready pooled guest: its GPUs attached live, seen, verified.
 
-warmpool.py runs them in ``GPU_CLAIM_STEPS``: the GPUs are chosen under the host lock by the
-allocator a cold create uses (``gpus``, then the fabric partition where there is one), the
-pooled guest is taken and its record names the GPUs (``claim``), then, still under the lock
-(a GPU is held by a domain only once it is in the domain's XML, which is what the allocator
-reads), each GPU is attached with its companions to a spare root port (``attach``). Outside
-the lock the guest is waited for until it sees every GPU (``seen``), and the in-guest
-verification runs (``verified``). Any failure detaches what was attached and removes the
-guest (the claim's undo): it never returns to the pool.
+claim.py runs them in ``GPU_CLAIM_STEPS``: under the host lock the GPUs are chosen by the
+allocator a cold create uses, the pooled guest is taken, and its hold and record name the
+GPUs (claim.py's ``claim``: the hold reserves them from then on). Outside the lock (live
+attach pins all guest memory: seconds on a large guest) each GPU is attached with its
+companions to a spare root port (``attach``), the guest is waited for until it sees every GPU
+(``seen``), and the in-guest verification runs (``verified``). Any failure stops the guest,
+which gives the GPUs back to their host drivers, and removes it (the claim's undos): it never
+returns to the pool.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from vmsandbox.gpu import hotplug
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.sandbox import lifecycle
-from vmsandbox.sandbox.pool import NoPooledGuest
 from vmsandbox.sandbox.record import HotplugRecord, SandboxRecord
 
 # How long a guest may take to see attached GPUs: seen after 3-5 s on the nested host (L2
@@ -36,17 +35,6 @@ _SEEN_SCRIPT = (
 )
 
 
-def allocate(c: lifecycle.Creation) -> None:
-    """Choose the GPUs as a cold create does; a choice that needs NVSwitches in the guest
-    (full passthrough) cannot be attached: that create boots cold."""
-    c.allocation = c.allocate()
-    if c.allocation is not None and c.allocation.switches:
-        raise NoPooledGuest(c.spec.image)
-    if c.allocation is not None:
-        shown = ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in c.allocation.gpus)
-        c.progress(f"GPUs: {shown}")
-
-
 def attach(c: lifecycle.Creation) -> None:
     """Attach each GPU with its companions to the next spare root port of the claimed guest."""
     record = c.record
@@ -54,16 +42,6 @@ def attach(c: lifecycle.Creation) -> None:
     for gpu, bus, xml in _hostdevs(record, record.hotplug):
         c.progress(f"attaching GPU {gpu.bdf} to the guest's spare port (bus {bus})")
         c.hypervisor.attach(c.domain, xml)
-
-
-def detach(r: lifecycle.Remains) -> None:
-    """Undo of ``attach``: detach every GPU the record names (libvirt gives each back to its
-    host driver; one never attached is no error)."""
-    record = r.record
-    if record is None or record.hotplug is None:
-        return
-    for _gpu, _bus, xml in _hostdevs(record, record.hotplug):
-        r.hypervisor.detach(r.domain, xml)
 
 
 def _hostdevs(record: SandboxRecord, ports: HotplugRecord) -> Iterator[tuple[GpuRecord, int, str]]:

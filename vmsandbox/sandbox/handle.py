@@ -35,6 +35,9 @@ class Sandbox:
     stage_seconds: dict[str, float] | None = None
     failure: dict[str, str] | None = None  # state failed: {code, message} of why (power.wait)
     generation: str | None = None  # the OpenShell gateway's last start generation (record.py)
+    # The domain's UUID: the sandbox's identity (its name is a label that can be used again).
+    uuid: str = ""
+    local: bool = True  # made with this manager's state directory
 
     @classmethod
     def of(cls, record: SandboxRecord, state: str, files: SandboxFiles) -> Sandbox:
@@ -64,6 +67,7 @@ class Sandbox:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
+            "uuid": self.uuid,
             "domain": self.domain,
             "state": self.state,
             "image": self.image,

@@ -1,15 +1,18 @@
 """The steps that make a sandbox, each with the undo that takes it back.
 
-``create`` runs ``CREATE_STEPS`` in order; when one fails, the undos of the steps that ran (the
-failing one included: it may have done half its work) run newest first. ``destroy`` and
-reconcile run every undo (``teardown``): undos are idempotent and work from what is stored
-(domain name, files, record), so a sandbox left half-made by a killed process is taken apart
-the same way. On NVSwitch boards in shared NVSwitch mode the ``fabric`` step activates the
-sandbox's Fabric Manager partition right after its GPUs are chosen; its undo deactivates it, and
-runs after ``define``'s undo (newest first), so only once the domain holding the GPUs is gone.
+``create`` runs ``CREATE_STEPS`` (runner.py): it reads the host without the host lock
+(``look``), then under the lock reserves the name, the GPUs, the SSH port and the domain's UUID
+in one hold (holds.py, ``reserve``), and lets the lock go. The slow work follows outside it:
+Fabric Manager's activation, keys, overlay, seed. The domain is defined under the lock again,
+QEMU started and waited for outside it, and the last step commits the state and settles the
+hold under it. Every locked step after ``reserve`` first checks that the create still owns its
+hold: a destroy may have taken it over.
 
-Steps marked ``locked`` run under the host lock (names, ports and GPUs are chosen there, and the
-domain is defined before the lock is let go); their undos run under it too.
+Undos act on what the create made, by identity: the domain by the UUID it reserved, the files
+only while it owns the hold that reserves their name, the partition by the lease naming that
+UUID. An undo never reaches a domain or files another call made under the same name. The
+fabric undo runs after QEMU is stopped (newest first), so a partition is deactivated only once
+no guest runs on its GPUs.
 
 The warm pool's paths (``FILL_STEPS``, ``CLAIM_STEPS``) are warmpool.py's, built from these
 steps and undos.
@@ -25,13 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from vmsandbox.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    GuestVerificationFailed,
-    ResourceExhausted,
-    VmSandboxError,
-)
+from vmsandbox.errors import FailedPrecondition, ResourceExhausted
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.guest import control, ssh
 from vmsandbox.guest.keys import KeyPair, SandboxKeys
@@ -39,10 +36,10 @@ from vmsandbox.guest.seed import network_config, write_seed
 from vmsandbox.guest.ssh import Endpoint
 from vmsandbox.image.store import BaseImage, make_overlay
 from vmsandbox.progress import Progress
-from vmsandbox.sandbox import boot, plan
+from vmsandbox.sandbox import boot, plan, reserve
+from vmsandbox.sandbox.holds import Hold, Holds, settled
 from vmsandbox.sandbox.record import (
     DOMAIN_PREFIX,
-    STATE_CREATING,
     STATE_DEFINED,
     STATE_READY,
     STATE_STARTED,
@@ -50,8 +47,9 @@ from vmsandbox.sandbox.record import (
     SandboxRecord,
 )
 from vmsandbox.sandbox.spec import SandboxSpec
+from vmsandbox.vm import netguard
 from vmsandbox.vm.hypervisor import Hypervisor
-from vmsandbox.vm.process import ProcessIdentity
+from vmsandbox.vm.process import Ownership
 
 if TYPE_CHECKING:
     from vmsandbox.config import Config
@@ -65,19 +63,45 @@ PORT_TRIES = 3
 
 @dataclass
 class Remains:
-    """What undos work from: the domain, the files, the configuration (the state directory
-    holds the fabric ledger) and, when it is still readable, the record."""
+    """What undos work from: the domain (by the UUID the sandbox has), the files, the
+    configuration (the state directory holds the ledgers), the owner of the transition and,
+    when it is still readable, the record."""
 
     hypervisor: Hypervisor
     config: Config
     name: str
     files: SandboxFiles
     record: SandboxRecord | None = None
+    uuid: str = ""  # "" until the reservation names one: nothing of a domain to undo
+    owner: Ownership | None = None
 
     @property
     def domain(self) -> str:
         """The domain carries the files' name: a claimed pooled guest keeps its own."""
         return DOMAIN_PREFIX + self.files.name
+
+    @property
+    def holds(self) -> Holds:
+        return Holds(self.config)
+
+    def mine(self) -> Hold | None:
+        """The hold of this transition's sandbox while the transition owns it (under the
+        lock); None when it never had one or someone else (a destroy) has taken it over."""
+        hold = self.holds.get(self.uuid)
+        if hold is None or self.owner is None or not hold.owned_by(self.owner.identity):
+            return None
+        return hold
+
+    def own(self) -> Hold:
+        """``mine``, or FAILED_PRECONDITION when the sandbox was taken from this transition."""
+        hold = self.mine()
+        if hold is None:
+            raise FailedPrecondition(
+                f"sandbox {self.name!r} was removed (destroyed, or taken apart as left over) "
+                "while this call was making it",
+                details={"name": self.name, "uuid": self.uuid},
+            )
+        return hold
 
 
 @dataclass(kw_only=True)
@@ -88,75 +112,143 @@ class Creation(Remains):
     image: BaseImage
     virt_type: str
     progress: Progress
-    exists: Callable[[str], bool]  # whether a sandbox of that name exists
-    # Under the lock: GPUs and their partition or NVSwitches (None: no GPU asked for).
-    allocate: Callable[[], Allocation | None]
-    free_port: Callable[[], int]
+    # Outside the lock: the host as the choices will start from (reserve.HostView).
+    look: Callable[[], reserve.HostView]
     host_cpus: Callable[[], dict[int, list[int]]]  # host CPUs per NUMA node, for pinning
     timeout: float | None = None
     start: bool = True
     wait: bool = True
     verify: bool = True
-    state: str = STATE_CREATING
+    keep: bool = False  # keep a sandbox whose in-guest check failed (for inspection)
+    doing: str = "create"  # what the hold says is at work: create, fill, claim
+    state: str = "creating"
+    view: reserve.HostView | None = None
+    port: int | None = None
     allocation: Allocation | None = None
     mac: str = field(default_factory=plan.new_mac)
     pairs: tuple[KeyPair, KeyPair] | None = None
     planned: plan.SandboxPlan | None = None
     endpoint: Endpoint | None = None
     boot_seconds: float | None = None
-    # The warm pool: whether the fill's shape has room (under the lock), the pooled guest a
-    # claim takes (under the lock; None when there is none ready), and the spare root ports a
-    # GPU-ready shape's guest boots with (gpu/hotplug.py).
-    room: Callable[[], bool] = lambda: False
-    take_pooled: Callable[[], SandboxRecord | None] = lambda: None
+    # The warm pool: a fill's shape key and image build (its hold counts for the shape's room,
+    # ``room`` says under the lock whether there is any), and the spare root ports a GPU-ready
+    # shape's guest boots with (gpu/hotplug.py).
+    pool_key: str | None = None
+    room: Callable[[reserve.Taken], bool] = lambda _now: True
     hotplug: HotplugPlan | None = None
     # How commands run in the guest (ssh.run; the unit tests hand in a fake guest).
     guest_run: Callable[..., ssh.ExecResult] = ssh.run
+    # The host lock, for a step that takes it again by itself (set by runner.run).
+    lock: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
 
     @property
     def gpus(self) -> list[Gpu]:
         return list(self.allocation.gpus) if self.allocation else []
 
+    def allocate(self, now: reserve.Taken) -> Allocation | None:
+        """Under the lock: the spec's GPUs on the view with today's holders (reserve.py)."""
+        assert self.view is not None  # read by the look step
+        max_gpus = self.config.max_gpus
+        return reserve.allocate(self.spec.gpu, self.view, now, max_gpus)
+
 
 @dataclass(frozen=True)
 class Step:
-    """One create step: ``do`` makes something, ``undo`` takes it back (idempotent, from what
-    is stored); ``locked`` steps run under the host lock."""
+    """One step: ``do`` makes something, ``undo`` takes it back (idempotent, from what is
+    stored). ``locked`` steps run under the host lock; an undo runs under it when
+    ``undo_locked`` says so (by default when its step does)."""
 
     name: str
     do: Callable[[Creation], None]
     undo: Callable[[Remains], None] | None = None
     locked: bool = False
+    undo_locked: bool | None = None
+
+    @property
+    def undo_under_lock(self) -> bool:
+        return self.locked if self.undo_locked is None else self.undo_locked
 
 
 # -- the steps ----------------------------------------------------------------------------------
 
 
+def _look(c: Creation) -> None:
+    c.view = c.look()
+
+
 def _reserve(c: Creation) -> None:
-    if c.exists(c.name):
-        raise AlreadyExists(f"sandbox {c.name!r} already exists", details={"name": c.name})
-    c.files.remove()  # files without a domain are leftovers of a killed create
+    """Under the lock: the name (free of sandboxes and reservations), the GPUs, the port and
+    the domain's UUID, written in one hold owned by this create."""
+    assert c.view is not None and c.owner is not None
+    holds = c.holds
+    now = reserve.taken(c.view, holds)
+    reserve.check_name(c.name, now, c.hypervisor)
+    if not c.room(now):
+        from vmsandbox.sandbox.pool import PoolFull
+
+        raise PoolFull(c.spec.image)
+    c.files.remove()  # files with no domain and no reservation: a killed create's leftovers
+    c.allocation = c.allocate(now)
+    c.port = reserve.pick_port(now) if c.config.network == "user" else None
+    c.uuid = str(uuid.uuid4())
+    partition = c.allocation.partition if c.allocation else None
+    holds.put(
+        Hold(
+            uuid=c.uuid,
+            name=c.name,
+            stem=c.files.name,
+            gpus=reserve.held_functions(c.allocation),
+            port=c.port,
+            partition=partition.id if partition else None,
+            pool=c.pool_key,
+            image_id=c.image.id if c.pool_key else None,
+            owner=c.owner.identity,
+            doing=c.doing,
+        )
+    )
+    show_gpus(c)
 
 
-def _gpus(c: Creation) -> None:
-    c.allocation = c.allocate()
+def show_gpus(c: Creation) -> None:
     if c.allocation is None:
         return
-    gpus = c.allocation.gpus
-    c.progress("GPUs: " + ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in gpus))
+    c.progress("GPUs: " + ", ".join(f"{g.bdf} ({g.name or g.device_id})" for g in c.gpus))
     if c.allocation.switches:
         c.progress("NVSwitches: " + ", ".join(s.bdf for s in c.allocation.switches))
 
 
+def _unreserve(r: Remains) -> None:
+    """Drop the hold, once everything it reserved is given back (under the lock): while its
+    domain or files are still there (an undo before this one failed), the hold stays, for
+    reconcile. A tombstone only when a domain was defined for it (``record``)."""
+    if r.mine() is None:
+        return
+    stored = r.hypervisor.metadata(r.domain)
+    if (stored is not None and stored.uuid == r.uuid) or r.files.existing():
+        return
+    r.holds.drop(r.uuid, tombstone=r.record is not None)
+
+
 def _activate(c: Creation) -> None:
-    """Shared NVSwitch mode: activate the chosen partition (the image's NVIDIA driver must be
-    Fabric Manager's release; the lease is recorded before fmpm is asked)."""
+    """Shared NVSwitch mode: activate the chosen partition, outside the lock (fmpm may take
+    minutes; the hold reserves the partition meanwhile). The image's NVIDIA driver must be
+    Fabric Manager's release; the lease, naming the domain's UUID, is recorded before fmpm is
+    asked."""
     partition = c.allocation.partition if c.allocation else None
     if partition is None:
         return
     c.progress(f"activating Fabric Manager partition {partition.id}")
     driver = c.image.meta.get("nvidia_driver_version")
-    FabricLease(c.config).activate(partition.id, c.name, image=c.image.name, image_driver=driver)
+    FabricLease(c.config).activate(
+        partition.id, c.uuid, c.name, image=c.image.name, image_driver=driver
+    )
+
+
+def _release(r: Remains) -> None:
+    """Deactivate the partition leased to the sandbox's UUID (its guest is stopped by now)
+    and forget the lease; nothing is asked of Fabric Manager when it holds none."""
+    if r.uuid:
+        FabricLease(r.config).release(r.uuid, r.name)
 
 
 def _keys(c: Creation) -> None:
@@ -186,8 +278,16 @@ def _seed(c: Creation) -> None:
         )
 
 
+def _remove_files(r: Remains) -> None:
+    """Remove the files, under the lock and only while this transition owns the hold that
+    reserves their name: once it is dropped, another create may be writing files of that
+    name."""
+    if r.mine() is not None:
+        r.files.remove()
+
+
 def _define(c: Creation) -> None:
-    user_net = c.config.network == "user"
+    c.own()
     c.planned = plan.plan(
         c.spec,
         name=c.name,
@@ -195,22 +295,31 @@ def _define(c: Creation) -> None:
         image=c.image,
         virt_type=c.virt_type,
         allocation=c.allocation,
-        port=c.free_port() if user_net else None,
+        port=c.port,
         mac=c.mac,
         host_cpus=c.host_cpus() if c.gpus else None,
         files=c.files,
-        creator=ProcessIdentity.current(),
+        creator=c.owner.identity if c.owner else None,
         hotplug=c.hotplug,
+        domain_uuid=c.uuid,
     )
     c.record = c.planned.record
     c.hypervisor.define(c.planned.xml())
 
 
+def _undefine(r: Remains) -> None:
+    """Stop (normally done already) and remove the domain with the reserved UUID."""
+    if r.uuid:
+        r.hypervisor.stop(r.domain, uuid=r.uuid)
+        r.hypervisor.undefine(r.domain, uuid=r.uuid)
+
+
 def _start(c: Creation) -> None:
-    """Start QEMU; when the forwarded port was taken meanwhile (QEMU cannot bind it), plan
-    another port, redefine and try again."""
+    """Start QEMU; when the forwarded port was taken meanwhile (QEMU cannot bind it), reserve
+    another port (under the lock), redefine and try again."""
     assert c.planned is not None
     c.progress(f"starting {c.domain} ({c.virt_type})")
+    netguard.before_start(c.config)
     for attempt in range(1, PORT_TRIES + 1):
         try:
             c.hypervisor.start(c.domain)
@@ -220,9 +329,19 @@ def _start(c: Creation) -> None:
             if "host forwarding" not in exc.message or attempt == PORT_TRIES:
                 raise
             c.progress(f"SSH port {c.planned.record.ssh.port} was taken meanwhile; another one")
-            c.planned = plan.with_port(c.planned, c.free_port())
-            c.record = c.planned.record
-            c.hypervisor.define(c.planned.xml())
+            with c.lock():
+                hold = c.own()
+                assert c.view is not None
+                c.port = reserve.pick_port(reserve.taken(c.view, c.holds))
+                c.holds.put(replace(hold, port=c.port))
+                c.planned = plan.with_port(c.planned, c.port)
+                c.record = c.planned.record
+                c.hypervisor.define(c.planned.xml())
+
+
+def _stop(r: Remains) -> None:
+    if r.uuid:
+        r.hypervisor.stop(r.domain, uuid=r.uuid)
 
 
 def _wait(c: Creation) -> None:
@@ -232,10 +351,10 @@ def _wait(c: Creation) -> None:
     assert c.record is not None  # made by the define step
     timeout = c.timeout or boot.boot_timeout(c.config.boot_timeout, c.spec.memory_mib, len(c.gpus))
     watch = boot.BootWatch(c.hypervisor, c.name, c.domain, c.files, c.image.reports_sshd)
-    ssh = c.record.ssh
-    c.endpoint = boot.endpoint(watch, ssh, timeout=timeout)
-    if ssh.port is None:  # the DHCP address is kept in the record: get/exec/ssh use it
-        c.record = replace(c.record, ssh=replace(ssh, host=c.endpoint.host, port=22))
+    ssh_record = c.record.ssh
+    c.endpoint = boot.endpoint(watch, ssh_record, timeout=timeout)
+    if ssh_record.port is None:  # the DHCP address is kept in the record: get/exec/ssh use it
+        c.record = replace(c.record, ssh=replace(ssh_record, host=c.endpoint.host, port=22))
     keys = c.files.keys(c.record.host_key_alias)
     c.boot_seconds = boot.wait_for_ssh(
         watch, c.endpoint, keys, timeout=timeout, progress=c.progress
@@ -243,13 +362,26 @@ def _wait(c: Creation) -> None:
 
 
 def _verify(c: Creation) -> None:
-    """Check the guest's devices (GPUs) from inside it; the report goes into the record."""
+    """Check the guest's devices (GPUs) from inside it; the report goes into the record. A
+    failed check fails the create (its undos take the sandbox apart) unless ``keep``."""
     if not (c.wait and c.verify):
         return
     assert c.record is not None and c.endpoint is not None  # made by define and wait
     c.progress("verifying the guest's devices")
-    report = verify_guest(c.record, c.endpoint, c.files)
+    report = verify_guest(c.record, c.endpoint, c.files, c.guest_run)
     c.record = replace(c.record, verification=report)
+    if not c.keep:
+        _raise_if_failed(c, kept=False)
+
+
+def _mark(c: Creation) -> None:
+    """Commit, under the lock: the record with its final state (ready: SSH answered; started:
+    not waited for; defined: not started), and the hold settled."""
+    assert c.record is not None  # made by the define step
+    hold = c.own()
+    c.state = STATE_READY if c.wait and c.start else STATE_STARTED if c.start else STATE_DEFINED
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
+    c.holds.put(settled(hold))
 
 
 def verify_guest(
@@ -268,170 +400,40 @@ def verify_guest(
     return verify.verify(run, expected, fabric=record.on_fabric).to_dict()
 
 
-def check_verification(
-    c: Creation, lock: Callable[[], contextlib.AbstractContextManager[None]], *, keep: bool
-) -> None:
-    """GuestVerificationFailed when the in-guest check of a created sandbox failed; the sandbox
-    is taken apart first unless ``keep`` (kept for inspection, as the caller asked)."""
+def check_verification(c: Creation) -> None:
+    """GuestVerificationFailed for a sandbox kept (``keep``) although its check failed."""
+    _raise_if_failed(c, kept=True)
+
+
+def _raise_if_failed(c: Creation, *, kept: bool) -> None:
     verification = c.record.verification if c.record else None
     if verification is None or verification["ok"]:
         return
     from vmsandbox.guest.verify import VerificationReport, raise_if_failed
 
     report = VerificationReport.from_dict(verification)
-    try:
-        raise_if_failed(report, subject=f"sandbox {c.name!r}", details={"kept": keep})
-    except GuestVerificationFailed as exc:
-        if not keep:
-            clean_up_after(exc, c, lock)
-        raise
+    raise_if_failed(report, subject=f"sandbox {c.name!r}", details={"kept": kept})
 
 
-def _mark(c: Creation) -> None:
-    """Store the record with its final state: ready (SSH answered), started (not waited for),
-    or defined (not started)."""
-    assert c.record is not None  # made by the define step
-    c.state = STATE_READY if c.wait and c.start else STATE_STARTED if c.start else STATE_DEFINED
-    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
-
-
-def _stop(r: Remains) -> None:
-    r.hypervisor.stop(r.domain)
-
-
-def _undefine(r: Remains) -> None:
-    r.hypervisor.undefine(r.domain)
-
-
-def _remove_files(r: Remains) -> None:
-    r.files.remove()
-
-
-def _release(r: Remains) -> None:
-    """Deactivate the sandbox's partition (its domain is gone by now) and forget the lease;
-    nothing is asked of Fabric Manager when the sandbox holds none."""
-    FabricLease(r.config).release(r.name)
+def nothing(_c: Creation) -> None:
+    """A step whose only purpose is its undo's place in the order."""
 
 
 CREATE_STEPS: tuple[Step, ...] = (
-    Step("reserve", _reserve, locked=True),
-    Step("gpus", _gpus, locked=True),  # freed by undefining the domain that holds them
-    Step("fabric", _activate, _release, locked=True),
-    Step("keys", _keys, _remove_files, locked=True),
-    Step("overlay", _overlay, _remove_files, locked=True),
-    Step("seed", _seed, _remove_files, locked=True),
+    Step("look", _look),
+    Step("reserve", _reserve, _unreserve, locked=True),
+    Step("fabric", _activate, _release),
+    Step("keys", _keys, _remove_files, undo_locked=True),
+    Step("overlay", _overlay, _remove_files, undo_locked=True),
+    Step("seed", _seed, _remove_files, undo_locked=True),
     Step("define", _define, _undefine, locked=True),
     Step("start", _start, _stop),
     Step("wait", _wait),
     Step("verify", _verify),
-    Step("ready", _mark),
+    Step("ready", _mark, locked=True),
 )
 # Steps skipped by create(start=False).
 STARTING = frozenset({"start", "wait", "verify"})
-
-
-# -- running them -------------------------------------------------------------------------------
-
-
-def no_checkpoint(_stage: str) -> None:
-    """The default crash checkpoint: nothing (tests install one that stops the create)."""
-
-
-def run(
-    steps: tuple[Step, ...],
-    creation: Creation,
-    lock: Callable[[], contextlib.AbstractContextManager[None]],
-    checkpoint: Callable[[str], None],
-) -> None:
-    """Run ``steps``; on any failure undo the ones that ran, the failing one included (it may
-    have made part of its work), newest first, and re-raise.
-
-    ``checkpoint(stage)`` is called once the lock is taken (``locked``) and after each step:
-    the crash tests stop a create there to kill it.
-    """
-    done: list[Step] = []
-    try:
-        index = 0
-        while index < len(steps):
-            if not steps[index].locked:
-                _run_one(steps[index], creation, checkpoint, done)
-                index += 1
-                continue
-            with lock():
-                checkpoint("locked")
-                while index < len(steps) and steps[index].locked:
-                    _run_one(steps[index], creation, checkpoint, done)
-                    index += 1
-    except BaseException as exc:
-        _note(exc, undo(done, creation, lock), creation.progress)
-        raise
-
-
-def clean_up_after(
-    exc: BaseException,
-    creation: Creation,
-    lock: Callable[[], contextlib.AbstractContextManager[None]],
-) -> None:
-    """Undo every step of a create that failed after its steps ran; a failing undo is noted on
-    ``exc`` and never replaces it."""
-    _note(exc, undo(CREATE_STEPS, creation, lock), creation.progress)
-
-
-def _note(exc: BaseException, failures: list[str], progress: Progress) -> None:
-    for failure in failures:
-        exc.add_note(f"cleanup after the failed create also failed: {failure}")
-        progress(f"cleanup failed: {failure}")
-
-
-def _run_one(
-    step: Step, creation: Creation, checkpoint: Callable[[str], None], done: list[Step]
-) -> None:
-    done.append(step)  # before it runs: a step that fails halfway is undone too
-    step.do(creation)
-    checkpoint(step.name)
-
-
-def undo(
-    steps: list[Step] | tuple[Step, ...],
-    remains: Remains,
-    lock: Callable[[], contextlib.AbstractContextManager[None]],
-) -> list[str]:
-    """Run the undos of ``steps`` newest first (unlocked ones before taking the lock, the rest
-    under it) and every one even when one fails; return the failures' messages."""
-    failures: list[str] = []
-    pending = [step for step in reversed(steps) if step.undo is not None]
-    seen: set[Any] = set()
-
-    def run_undo(step: Step) -> None:
-        if step.undo in seen:
-            return  # one undo serves several steps (the files)
-        seen.add(step.undo)
-        try:
-            assert step.undo is not None
-            step.undo(remains)
-        except VmSandboxError as exc:
-            failures.append(exc.message)
-        except OSError as exc:
-            failures.append(f"{step.name}: {exc}")
-
-    for step in [step for step in pending if not step.locked]:
-        run_undo(step)
-    locked = [step for step in pending if step.locked]
-    if locked:
-        with lock():
-            for step in locked:
-                run_undo(step)
-    return failures
-
-
-def teardown(remains: Remains, lock: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
-    """Take a sandbox apart completely (every undo); FAILED_PRECONDITION naming what is left."""
-    failures = undo(CREATE_STEPS, remains, lock)
-    if failures:
-        raise FailedPrecondition(
-            f"sandbox {remains.name!r} was not removed completely: {'; '.join(failures)}",
-            details={"remaining": [str(path) for path in remains.files.existing()]},
-        )
 
 
 @contextlib.contextmanager

@@ -2,14 +2,15 @@
 
 It orchestrates and nothing else: each step is the work of a module of this package (the
 package's docstring says which), libvirt is behind vm/hypervisor.py's ``Hypervisor`` and the
-source of truth: every sandbox is a persistent domain whose metadata holds its record.
+source of truth: every sandbox is a persistent domain whose metadata holds its record. Names
+find sandboxes; a found sandbox's identity is its domain's UUID (``Sandbox.uuid``), which
+``destroy``, ``stop`` and ``start`` take to act on that sandbox only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
@@ -21,10 +22,11 @@ from vmsandbox.host.numa import host_cpus_by_node
 from vmsandbox.image.store import BaseImage, ImageStore
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
-from vmsandbox.sandbox import lifecycle, power
+from vmsandbox.sandbox import lifecycle, power, reserve, runner, teardown
 from vmsandbox.sandbox import plan as planner
 from vmsandbox.sandbox.boot import check_timeout
 from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.pool import check_not_pooled_name, is_pool_guest
 from vmsandbox.sandbox.reconcile import reconcile as reconcile_sandboxes
 from vmsandbox.sandbox.record import (
@@ -37,14 +39,12 @@ from vmsandbox.sandbox.record import (
 from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 from vmsandbox.sandbox.store import SandboxStore
 from vmsandbox.sandbox.warmpool import WarmPool
-from vmsandbox.validate import validate_name
 from vmsandbox.vm import virt
 from vmsandbox.vm.hypervisor import Hypervisor, LibvirtHypervisor
 
 if TYPE_CHECKING:
     import libvirt
 
-    from vmsandbox.gpu.allocator import Allocation
     from vmsandbox.host.model import Gpu, Inventory
 
 
@@ -56,7 +56,7 @@ class SandboxManager:
     ``config.uri``; unit tests hand in a fake.
     """
 
-    checkpoint: Callable[[str], None] = staticmethod(lifecycle.no_checkpoint)
+    checkpoint: Callable[[str], None] = staticmethod(runner.no_checkpoint)
 
     def __init__(
         self,
@@ -95,8 +95,9 @@ class SandboxManager:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def locked(self) -> contextlib.AbstractContextManager[None]:
-        return host_lock(self.config.lock_path)
+    def locked(self, purpose: str = "") -> contextlib.AbstractContextManager[None]:
+        """The host lock, for a short state transition (vmsandbox/lock.py)."""
+        return host_lock(self.config.lock_path, self.config.lock_timeout, purpose)
 
     # -- create -------------------------------------------------------------------------------
 
@@ -140,7 +141,23 @@ class SandboxManager:
             if refill:
                 self.pool.refill_in_background()
             return claim
-        creation = lifecycle.Creation(
+        creation = self._creation(spec, name, image, say, timeout=timeout)
+        creation.start, creation.wait, creation.verify = start, wait, verify
+        creation.keep = keep_on_failure
+        skip = lifecycle.STARTING if not start else frozenset()
+        steps = tuple(step for step in lifecycle.CREATE_STEPS if step.name not in skip)
+        runner.run(steps, creation, self.locked, self.checkpoint)
+        assert creation.record is not None  # made by the define step
+        sandbox = self.store.view(creation.record, creation.state, creation.uuid)
+        sandbox.boot_seconds = creation.boot_seconds
+        lifecycle.check_verification(creation)  # a sandbox kept although its check failed
+        say(f"sandbox {name} is {creation.state}")
+        return sandbox
+
+    def _creation(
+        self, spec: SandboxSpec, name: str, image: BaseImage, say: Progress, **more: Any
+    ) -> lifecycle.Creation:
+        return lifecycle.Creation(
             hypervisor=self.hypervisor,
             name=name,
             config=self.config,
@@ -149,25 +166,10 @@ class SandboxManager:
             image=image,
             virt_type=virt.for_sandbox(spec.virt_type, self.config, image.kernel, say),
             progress=say,
-            exists=lambda n: self.store.lookup(n) is not None,
-            allocate=functools.partial(self.allocate, spec),
-            free_port=self.store.free_port,
+            look=lambda: self.look(spec),
             host_cpus=host_cpus_by_node,
-            timeout=timeout,
-            start=start,
-            wait=wait,
-            verify=verify,
+            **more,
         )
-        skip = lifecycle.STARTING if not start else frozenset()
-        steps = tuple(step for step in lifecycle.CREATE_STEPS if step.name not in skip)
-        lifecycle.run(steps, creation, self.locked, self.checkpoint)
-        assert creation.record is not None  # made by the define step
-        record, state = creation.record, creation.state
-        sandbox = self.store.view(record, state)
-        sandbox.boot_seconds = creation.boot_seconds
-        lifecycle.check_verification(creation, self.locked, keep=keep_on_failure)
-        say(f"sandbox {name} is {state}")
-        return sandbox
 
     def verify(self, name: str) -> dict[str, Any]:
         """Re-run the in-guest GPU verification of a running sandbox; the report is stored."""
@@ -191,9 +193,11 @@ class SandboxManager:
         except NotFound:
             image = None
         virt_type = virt.for_sandbox(spec.virt_type, self.config, None, self.progress)
-        with self.locked():
-            chosen = self.allocate(spec)
-            port = self.store.free_port() if self.config.network == "user" else None
+        view = self.look(spec)
+        with self.locked("dry run"):
+            now = reserve.taken(view, Holds(self.config))
+            chosen = reserve.allocate(spec.gpu, view, now, self.config.max_gpus)
+            port = reserve.pick_port(now) if self.config.network == "user" else None
         planned = planner.plan(
             spec,
             name=name,
@@ -206,34 +210,34 @@ class SandboxManager:
         )
         return planned.xml(), list(planned.gpus)
 
-    def allocate(self, spec: SandboxSpec) -> Allocation | None:
-        """Under the host lock: the GPUs for ``spec`` (None: it asks for none), free on every
-        domain of the connection; on NVSwitch boards with their Fabric Manager partition (FM's
-        table is read now) or, in full passthrough, the NVSwitches."""
-        if spec.gpu is None:
-            return None  # importing the allocator loads pyudev: only GPU requests pay for it
-        from vmsandbox.gpu.fabric import policy, state
+    def look(self, spec: SandboxSpec) -> reserve.HostView:
+        """What a create of ``spec`` reads before it reserves (``reserve.look``)."""
+        return reserve.look(self.hypervisor, self.config, spec.gpu is not None, self.gpus)
 
-        inventory = self.gpus()
-        fabric = state.read(self.config, inventory)
-        return policy.allocate(spec.gpu, inventory, max_gpus=self.config.max_gpus, fabric=fabric)
-
-    def gpus(self) -> Inventory:
-        """The host's GPU inventory, with ``in_use_by`` read from all libvirt domains."""
+    def gpus(self, in_use: Mapping[str, str] | None = None) -> Inventory:
+        """The host's GPU inventory, with ``in_use_by`` from ``in_use`` (BDF -> domain), read
+        from all libvirt domains when not given."""
         from vmsandbox.host import discover
 
-        return discover(in_use=self.hypervisor.hostdev_holders())
+        holders = self.hypervisor.hostdev_holders() if in_use is None else in_use
+        return discover(in_use=holders, require_reset=self.config.require_gpu_reset)
 
     # -- read ---------------------------------------------------------------------------------
 
-    def get(self, name: str) -> Sandbox:
-        record, state = self.store.get(name)
-        return self.store.view(self.store.with_address(record, state), state)
+    def get(self, name: str, *, uuid: str | None = None) -> Sandbox:
+        """Sandbox ``name``; with ``uuid``, only the sandbox of that identity (NOT_FOUND)."""
+        found = self.store.require(name, uuid)
+        record = self.store.with_address(found.record, found.state)
+        return self.store.view(record, found.state, found.uuid)
 
     def list(self) -> list[Sandbox]:
         """The sandboxes (pooled guests not claimed yet are the pool's: ``pool.show``)."""
         return sorted(
-            (self.store.view(r, s) for r, s in self.store.all() if not is_pool_guest(r)),
+            (
+                self.store.view(f.record, f.state, f.uuid)
+                for f in self.store.found()
+                if not is_pool_guest(f.record)
+            ),
             key=lambda sandbox: sandbox.name,
         )
 
@@ -275,73 +279,66 @@ class SandboxManager:
 
     # -- power (power.py) ----------------------------------------------------------------------
 
-    def stop(self, name: str, *, grace: float = 60.0) -> Sandbox:
+    def stop(self, name: str, *, grace: float = 60.0, uuid: str | None = None) -> Sandbox:
         """Shut the guest down, disk and GPUs kept: its power button, then power off after
-        ``grace`` seconds. Idempotent: a sandbox that does not run is left as it is."""
+        ``grace`` seconds. Idempotent: a sandbox that does not run is left as it is. With
+        ``uuid``: only the sandbox with that identity (NOT_FOUND otherwise)."""
         check_timeout(grace, field="grace")
-        record, state = self.store.get(name)
-        power.check_powerable(record, state)
-        power.stop(self.hypervisor, record.domain, grace=grace)
-        return self.store.view(*self.store.get(name))
+        found = self.store.require(name, uuid)
+        power.check_powerable(found.record, found.state)
+        power.stop(self.hypervisor, found.record.domain, grace=grace, uuid=found.uuid)
+        return self.get(name)
 
     def start(
-        self, name: str, *, wait: bool = True, verify: bool = True, timeout: float | None = None
+        self,
+        name: str,
+        *,
+        wait: bool = True,
+        verify: bool = True,
+        timeout: float | None = None,
+        uuid: str | None = None,
     ) -> Sandbox:
         """Start a stopped (or only defined) sandbox, its GPUs passed through again; with
         ``wait``, return once it is ready (``wait``). Idempotent: a running sandbox is returned
-        as it is. A GPU gone from the host: FAILED_PRECONDITION, the sandbox left as it was."""
+        as it is. A GPU gone from the host: FAILED_PRECONDITION, the sandbox left as it was.
+        A forwarded SSH port taken meanwhile by another program is replaced by a free one."""
         check_timeout(timeout)
-        record, state = self.store.get(name)
-        files = SandboxFiles.of(self.config, record.stem)
-        if power.start(self.hypervisor, record, state, files) and wait:
+        found = self.store.require(name, uuid)
+        if power.start(self.hypervisor, self.config, found, self.locked) and wait:
             return self.wait(name, verify=verify, timeout=timeout)
-        return self.store.view(*self.store.get(name))
+        return self.get(name)
 
     def wait(self, name: str, *, verify: bool = True, timeout: float | None = None) -> Sandbox:
         """Wait until a started sandbox answers SSH, verify its GPUs (``verify``) and mark it
         ready; a guest that does not come up is marked failed, the reason in its record."""
         check_timeout(timeout)
-        record, _state = self.store.get(name)
-        record, waited = power.wait(
-            self.hypervisor, self.config, record, self.progress, verify=verify, timeout=timeout
-        )
-        sandbox = self.store.view(record, STATE_READY)
+        found = self.store.require(name)
+        waiting = (self.hypervisor, self.config, found.record, self.progress)
+        record, waited = power.wait(*waiting, verify=verify, timeout=timeout)
+        sandbox = self.store.view(record, STATE_READY, found.uuid)
         sandbox.boot_seconds = waited
         return sandbox
 
-    def set_generation(self, name: str, generation: str) -> Sandbox:
-        """Record the runtime generation an OpenShell gateway last started the sandbox with."""
-        with self.locked():
-            return self.store.update(name, generation=generation)
+    def set_generation(self, name: str, generation: str, *, uuid: str | None = None) -> Sandbox:
+        """Record the runtime generation an OpenShell gateway last started the sandbox with
+        (with ``uuid``: only in the sandbox of that identity, NOT_FOUND otherwise)."""
+        with self.locked("record a runtime generation"):
+            return self.store.update(name, uuid=uuid, generation=generation)
 
     # -- destroy ------------------------------------------------------------------------------
 
-    def destroy(self, name: str) -> None:
+    def destroy(self, name: str, *, uuid: str | None = None, pooled_only: bool = False) -> None:
         """Stop and remove the sandbox: domain, NVRAM, overlay, seed, keys, console and QEMU
-        logs, then its Fabric Manager partition (NVSwitch boards). Idempotent in effect:
-        whatever is left of it is removed; NOT_FOUND only when nothing of it existed;
-        FAILED_PRECONDITION naming what could not be removed."""
-        validate_name(name)
-        found = self.store.lookup(name)
-        if found is not None:  # stopped before the lock: a hung QEMU must not hold it
-            self.hypervisor.stop(found[0].domain)
-        with self.locked():  # looked up again: a create may have defined it meanwhile
-            found = self.store.lookup(name)
-            files = SandboxFiles.of(self.config, found[0].stem if found else name)
-            if found is None and not files.existing():
-                raise NotFound(f"sandbox {name!r} does not exist", details={"name": name})
-            record = found[0] if found else None
-            remains = lifecycle.Remains(self.hypervisor, self.config, name, files, record)
-            lifecycle.teardown(remains, contextlib.nullcontext)
+        logs, then its Fabric Manager partition (NVSwitch boards) (teardown.py). Idempotent in
+        effect: whatever is left of it is removed; NOT_FOUND only when nothing of it existed
+        (with ``uuid``: when the sandbox of that identity is gone); FAILED_PRECONDITION naming
+        what could not be removed. ``pooled_only``: only an unclaimed pooled guest."""
+        teardown.destroy(self.store, self.locked, name, uuid=uuid, pooled_only=pooled_only)
 
     # -- repair -------------------------------------------------------------------------------
 
     def reconcile(self) -> dict[str, list[str]]:
-        """Finish removing half-made sandboxes of this state directory and release fabric
-        partitions whose sandbox is gone (reconcile.py); returns what was removed, the
-        partitions released and what could not be fixed."""
-        with self.locked():
-            local = [
-                (record, state) for record, state in self.store.all() if self.store.local(record)
-            ]
-            return reconcile_sandboxes(self.hypervisor, self.config, local).to_dict()
+        """Finish removing what killed or failed calls left half-made in this state directory
+        and release fabric partitions whose sandbox is gone (reconcile.py); returns what was
+        removed, the partitions released and what could not be fixed."""
+        return reconcile_sandboxes(self.hypervisor, self.config, self.locked).to_dict()

@@ -79,6 +79,7 @@ def plan(
     creator: ProcessIdentity | None = None,
     created_at: str | None = None,
     hotplug: HotplugPlan | None = None,
+    domain_uuid: str | None = None,
 ) -> SandboxPlan:
     """The plan of sandbox ``name`` (``image`` None: where an unbuilt image will be).
 
@@ -87,7 +88,8 @@ def plan(
     (None: no GPUs) gives the GPUs and, on NVSwitch boards, the NVSwitches passed along (full
     passthrough) or the Fabric Manager partition that connects them (shared mode); the record
     names both. ``hotplug`` (a GPU-less pooled guest only): spare root ports for GPUs attached
-    later, with the boot settings they need (gpu/hotplug.py).
+    later, with the boot settings they need (gpu/hotplug.py). ``domain_uuid``: the UUID the
+    create reserved (its identity from then on; a fresh one when None).
     """
     files = files or SandboxFiles.of(config, name)
     gpus = allocation.gpus if allocation else ()
@@ -119,7 +121,7 @@ def plan(
     image_dir = image.path if image else config.images / spec.image / "current"
     domain = domain_xml.DomainPlan(
         domain_name=alias,
-        uuid=str(uuid.uuid4()),
+        uuid=domain_uuid or str(uuid.uuid4()),
         virt_type=virt_type,
         cpus=spec.cpus,
         memory_mib=spec.memory_mib,

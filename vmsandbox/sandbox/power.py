@@ -5,20 +5,25 @@ A stopped sandbox keeps its GPUs: the hostdevs of an inactive domain still count
 again; when one has gone from the host (removed, or taken by a host driver) libvirt refuses, and
 the sandbox is left as it was. Readiness and boot failure are written to the domain's metadata,
 so a watcher of libvirt's metadata events (the OpenShell driver) learns of them.
+
+A start whose forwarded SSH port another program took meanwhile (QEMU cannot bind it) moves
+the forward to a free port, reserved under the host lock, and starts again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from vmsandbox.config import Config
-from vmsandbox.errors import FailedPrecondition, VmSandboxError
+from vmsandbox.errors import FailedPrecondition, Internal, VmSandboxError
 from vmsandbox.guest import control
 from vmsandbox.image.store import ImageStore
 from vmsandbox.progress import Progress
-from vmsandbox.sandbox import boot, lifecycle
+from vmsandbox.sandbox import boot, lifecycle, reserve
+from vmsandbox.sandbox.holds import Holds, owners_folder
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
     STATE_FAILED,
@@ -28,14 +33,19 @@ from vmsandbox.sandbox.record import (
     SandboxFiles,
     SandboxRecord,
 )
+from vmsandbox.sandbox.store import Found
+from vmsandbox.vm import netguard
+from vmsandbox.vm.domain import with_ssh_port
 from vmsandbox.vm.hypervisor import Hypervisor
-from vmsandbox.vm.process import ProcessIdentity
+from vmsandbox.vm.process import process_owner
 
 POLL_S = 0.5
 PRESS_AGAIN_S = 2.0
+PORT_TRIES = 3
+Lock = Callable[[], contextlib.AbstractContextManager[None]]
 
 
-def stop(hypervisor: Hypervisor, domain: str, *, grace: float) -> None:
+def stop(hypervisor: Hypervisor, domain: str, *, grace: float, uuid: str | None = None) -> None:
     """Press the guest's power button (again every PRESS_AGAIN_S), and power it off when it
     still runs after ``grace`` seconds. Nothing to do for a domain that does not run.
 
@@ -52,7 +62,7 @@ def stop(hypervisor: Hypervisor, domain: str, *, grace: float) -> None:
             presses += 1
         time.sleep(POLL_S)
     if hypervisor.running(domain):
-        hypervisor.stop(domain)
+        hypervisor.stop(domain, uuid=uuid)
 
 
 def check_powerable(record: SandboxRecord, state: str) -> None:
@@ -70,7 +80,7 @@ def check_powerable(record: SandboxRecord, state: str) -> None:
         )
 
 
-def start(hypervisor: Hypervisor, record: SandboxRecord, state: str, files: SandboxFiles) -> bool:
+def start(hypervisor: Hypervisor, config: Config, found: Found, lock: Lock) -> bool:
     """Start a sandbox that does not run; False when it runs already (nothing done). QEMU makes
     the control channel's socket anew: it is made the owner's alone (``control.restrict``).
 
@@ -78,22 +88,50 @@ def start(hypervisor: Hypervisor, record: SandboxRecord, state: str, files: Sand
     between the call and QEMU running). A refused start restores the record and state it had,
     and the error (FAILED_PRECONDITION with libvirt's words for a GPU that is gone) propagates.
     """
+    record, state = found.record, found.state
     domain = record.domain  # a claimed pooled guest's domain keeps the guest's name
     check_powerable(record, state)
     if hypervisor.running(domain):
         return False
-    starting = replace(record, failure=None, starter=ProcessIdentity.current())
+    netguard.before_start(config)
+    starter = process_owner(owners_folder(config))
+    starting = replace(record, failure=None, starter=starter)
     hypervisor.set_metadata(domain, starting.to_dict(), STATE_STARTING)
     try:
-        hypervisor.start(domain)
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                hypervisor.start(domain)
+                break
+            except FailedPrecondition as exc:
+                taken = "host forwarding" in exc.message and record.ssh.port is not None
+                if not taken or attempt == PORT_TRIES:
+                    raise
+                starting = _new_port(hypervisor, config, found.uuid, starting, lock)
     except BaseException as exc:
         try:
-            hypervisor.set_metadata(domain, record.to_dict(), state)
+            hypervisor.set_metadata(domain, replace(starting, starter=None).to_dict(), state)
         except VmSandboxError as restore:  # the start's error stays the one the caller sees
             exc.add_note(f"restoring the state of sandbox {record.name!r} failed: {restore}")
         raise
-    control.restrict(files.control)
+    control.restrict(SandboxFiles.of(config, record.stem).control)
     return True
+
+
+def _new_port(
+    hypervisor: Hypervisor, config: Config, uuid: str, record: SandboxRecord, lock: Lock
+) -> SandboxRecord:
+    """Move the domain's SSH forward to a port reserved now (the old one was taken)."""
+    view = reserve.HostView(tuple(hypervisor.every_domain()))
+    with lock():
+        holds = Holds(config)
+        port = reserve.pick_port(reserve.taken(view, holds))
+        hold = holds.get(uuid)
+        if hold is not None:
+            holds.put(replace(hold, port=port))
+        hypervisor.define(with_ssh_port(hypervisor.definition(record.domain), port))
+        moved = replace(record, ssh=replace(record.ssh, port=port))
+        hypervisor.set_metadata(record.domain, moved.to_dict(), STATE_STARTING)
+    return moved
 
 
 def wait(
@@ -123,11 +161,14 @@ def wait(
         keys = files.keys(record.host_key_alias)
         waited = boot.wait_for_ssh(watch, endpoint, keys, timeout=limit, progress=progress)
         report = lifecycle.verify_guest(record, endpoint, files) if verify else None
-    except VmSandboxError as exc:
-        failed = replace(record, failure={"code": exc.code, "message": exc.message})
+    except Exception as exc:  # any failure ends the wait with a state, never "starting"
+        error = exc if isinstance(exc, VmSandboxError) else _internal(record, exc)
+        failed = replace(record, failure={"code": error.code, "message": error.message})
         with contextlib.suppress(VmSandboxError):  # the boot's error is the one to see
             hypervisor.set_metadata(domain, failed.to_dict(), STATE_FAILED)
-        raise
+        if error is exc:
+            raise
+        raise error from exc
     record = replace(record, verification=report, failure=None)
     hypervisor.set_metadata(domain, record.to_dict(), STATE_READY)
     if report is not None and not report["ok"]:
@@ -135,6 +176,13 @@ def wait(
 
         raise_if_failed(VerificationReport.from_dict(report), subject=f"sandbox {record.name!r}")
     return record, waited
+
+
+def _internal(record: SandboxRecord, exc: Exception) -> Internal:
+    return Internal(
+        f"waiting for sandbox {record.name!r} failed: {type(exc).__name__}: {exc}",
+        details={"name": record.name},
+    )
 
 
 def _reports_sshd(config: Config, record: SandboxRecord) -> bool:

@@ -1,31 +1,56 @@
-"""Reconcile: finish taking apart sandboxes that a killed or failed process left half-made.
+"""Reconcile: finish taking apart what killed or failed calls left half-made, on a complete
+view only.
 
-Only sandboxes of this state directory are touched (their record names the keys folder kept
-here); a domain without a vmsandbox record naming it is never ours.
+It reads every domain first, outside the host lock (``Hypervisor.every_domain``: the whole
+list or an error; a libvirt error, such as libvirtd restarting mid-scan, aborts reconcile before it
+decides anything, so nothing is ever removed on a partial view). Under the lock it reads the
+reservations (holds.py) and decides; each decision that rests on a domain being gone is
+checked again with a fresh lookup, since the view is older than the lock. Only sandboxes of
+this state directory are touched (their record names the keys folder kept here); a domain
+without a vmsandbox record naming it is never ours.
 
-Half-made: a domain still marked creating whose creator process is gone (a create, a pool
-fill or a claim of a pooled guest) (``ProcessIdentity``:
-a reused pid or a reboot is not its creator); files with no domain; a stopped domain whose
-overlay, seed or keys are gone. A running domain whose files are gone is reported, not stopped.
+Left over, and taken apart (teardown.finish, slow parts outside the lock):
 
-Then the fabric ledger (``vmsandbox.gpu.fabric.lease``): a Fabric Manager partition leased to a
-sandbox that has no domain any more (its domain was removed without the release, or a create
-was killed between activation and ``define``) is deactivated. Fabric Manager unreachable is a
-problem reported, not an error: the leases stay for the next reconcile.
+- a reservation whose owner is gone (a create, claim, fill or destroy that was killed or
+  whose cleanup could not finish), with whatever domain and files it has;
+- a domain still marked creating whose creator is gone, made before reservations existed;
+- a stopped domain whose overlay, seed or keys are gone (a running one is reported, not
+  stopped);
+- files with no domain and no reservation (removed at once, under the lock).
+
+Also under the lock: a settled reservation whose domain is gone (removed by something else
+than vmsandbox) is dropped; a sandbox made before reservations existed gets one; tombstones of
+domains no longer listed are forgotten. Last, the fabric ledger: a Fabric Manager partition
+leased to a UUID that is neither a domain nor a reservation is deactivated. Fabric Manager
+unreachable is a problem reported, not an error: the leases stay for the next reconcile.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
-from vmsandbox.sandbox import lifecycle
-from vmsandbox.sandbox.record import DOMAIN_PREFIX, STATE_CREATING, SandboxFiles, SandboxRecord
+from vmsandbox.sandbox.holds import Hold, Holds, own
+from vmsandbox.sandbox.lifecycle import Remains
+from vmsandbox.sandbox.pool import holds as of_shape
+from vmsandbox.sandbox.record import (
+    DOMAIN_PREFIX,
+    STATE_CREATING,
+    STATE_POOLED,
+    SandboxFiles,
+    SandboxRecord,
+)
+from vmsandbox.sandbox.reserve import HostView
+from vmsandbox.sandbox.teardown import finish
 from vmsandbox.validate import validate_name
-from vmsandbox.vm.hypervisor import Hypervisor
+from vmsandbox.vm.hypervisor import Hypervisor, Stored
+from vmsandbox.vm.process import Ownership
+
+Lock = Callable[[], contextlib.AbstractContextManager[None]]
 
 
 @dataclass
@@ -42,48 +67,141 @@ class Report:
         }
 
 
-def reconcile(
-    hypervisor: Hypervisor, config: Config, sandboxes: list[tuple[SandboxRecord, str]]
-) -> Report:
-    """Repair ``sandboxes`` (this state directory's records and states, read under the host
-    lock, which the caller holds throughout) and remove files that belong to no domain."""
+def reconcile(hypervisor: Hypervisor, config: Config, lock: Lock) -> Report:
+    """Repair this state directory (see the module docstring); the view is read first, and
+    any libvirt error while reading it propagates before anything is decided."""
+    view = HostView(tuple(hypervisor.every_domain()))
     report = Report()
-    fabric = FabricLease(config)
-    leased = set(fabric.leases())  # before the removals: theirs are released as they go
-    known = set()
-    for record, state in sandboxes:
-        name = record.name
-        known.add(record.stem)  # a claimed pooled guest's files keep the guest's name
-        files = SandboxFiles.of(config, record.stem)
-        creating = state == STATE_CREATING
+    leased = {lease.partition for lease in FabricLease(config).leases()}
+    owner = own(config)
+    try:
+        with lock():
+            targets = _decide(hypervisor, config, view, owner, report)
+        for remains in targets:
+            try:
+                finish(remains, lock, fabric_too=False)  # the fabric pass below
+                report.removed.append(remains.name)
+            except VmSandboxError as exc:
+                report.problems.append(f"{remains.name}: {exc.message}")
+        if leased:  # most hosts have no fabric: no more work for them
+            _fabric(config, view, lock, report)
+            left = {lease.partition for lease in FabricLease(config).leases()}
+            report.fabric_partitions = sorted(leased - left)
+    finally:
+        owner.end()
+    return report
+
+
+def _decide(
+    hypervisor: Hypervisor, config: Config, view: HostView, owner: Ownership, report: Report
+) -> list[Remains]:
+    """Under the lock: what to take apart (its holds taken over by ``owner``), and the quick
+    repairs done on the spot."""
+    holds = Holds(config)
+    current = holds.all()
+    gone = holds.gone()
+    listed = {stored.uuid: stored for stored in view.domains}
+    targets: list[Remains] = []
+
+    def take(hold: Hold, record: SandboxRecord | None) -> None:
+        holds.put(replace(hold, owner=owner.identity, doing="reconcile"))
+        files = SandboxFiles.of(config, hold.stem)
+        name = record.name if record else hold.name
+        targets.append(Remains(hypervisor, config, name, files, record, hold.uuid, owner))
+
+    for hold in current.values():
+        if hold.left_over:
+            stored = listed.get(hold.uuid)
+            take(hold, _record(stored))
+        elif (
+            hold.owner is None
+            and hold.uuid not in listed
+            and _gone(hypervisor, hold.uuid, hold.domain)
+        ):
+            holds.drop(hold.uuid)  # removed by something other than vmsandbox
+            report.removed.append(hold.name)
+    for record, stored in view.ours(config):
+        hold = current.get(stored.uuid)
+        if hold is not None and hold.owner:
+            continue  # being worked on, or taken above
+        if hold is None and stored.uuid in gone and _gone(hypervisor, stored.uuid, stored.domain):
+            continue  # undefined since the view was read
+        legacy = hold is None
+        if hold is None:  # made before reservations existed: it gets one now
+            hold = holds.put(_backfill(config, record, stored))
+        # A settled hold says its transition committed, whatever the (older) view's state;
+        # only a sandbox made before reservations is judged by its record, read again now.
+        fresh = hypervisor.metadata(stored.domain) if legacy else None
+        creating = fresh is not None and fresh.uuid == stored.uuid
+        creating = creating and fresh is not None and fresh.state == STATE_CREATING
         if creating and record.creator is not None and record.creator.alive():
-            continue  # its creator is still at work
+            continue  # a create from before reservations, still at work
+        files = SandboxFiles.of(config, record.stem)
         missing = [str(p) for p in (files.overlay, files.seed, files.keys_dir) if not p.exists()]
         if not creating and not missing:
             continue
-        remains = lifecycle.Remains(hypervisor, config, name, files, record)
-        if not creating and hypervisor.running(remains.domain):
+        if not creating and hypervisor.running(stored.domain):
             report.problems.append(
-                f"{name}: running, but its files are gone ({', '.join(missing)}); "
-                f"remove it with 'vmsandbox destroy {name}'"
+                f"{record.name}: running, but its files are gone ({', '.join(missing)}); "
+                f"remove it with 'vmsandbox destroy {record.name}'"
             )
             continue
+        take(hold, record)
+    stems = {hold.stem for hold in holds.all().values()}
+    stems |= {record.stem for record, _stored in view.ours(config)}
+    for name in sorted(names_on_disk(config) - stems):
+        if hypervisor.metadata(DOMAIN_PREFIX + name) is not None:
+            continue  # another state directory's domain of that name: its files are not these
         try:
-            lifecycle.teardown(remains, contextlib.nullcontext)
-            report.removed.append(name)
-        except VmSandboxError as exc:
-            report.problems.append(f"{name}: {exc.message}")
-    for name in names_on_disk(config) - known:
-        try:  # files only: a domain of that name, if any, is another state directory's
             SandboxFiles.of(config, name).remove()
             report.removed.append(name)
         except VmSandboxError as exc:
             report.problems.append(f"{name}: {exc.message}")
-    if leased:  # most hosts have no fabric: no more libvirt calls for them
-        domains = hypervisor.list(DOMAIN_PREFIX)
-        report.problems += fabric.reconcile(d.domain.removeprefix(DOMAIN_PREFIX) for d in domains)
-        report.fabric_partitions = sorted(leased - set(fabric.leases()))
-    return report
+    holds.forget_gone(gone - set(listed))
+    return targets
+
+
+def _record(stored: Stored | None) -> SandboxRecord | None:
+    if stored is None or stored.data is None:
+        return None
+    try:
+        return SandboxRecord.from_dict(stored.data)
+    except VmSandboxError:
+        return None
+
+
+def _gone(hypervisor: Hypervisor, uuid: str, domain: str) -> bool:
+    """Whether the domain ``uuid`` is gone now (a fresh lookup: the view may be older)."""
+    stored = hypervisor.metadata(domain)
+    return stored is None or stored.uuid != uuid
+
+
+def _backfill(config: Config, record: SandboxRecord, stored: Stored) -> Hold:
+    """The hold of a sandbox made before reservations existed, read from its domain."""
+    pooled = stored.state == STATE_POOLED and record.guest is None
+    shape = next((s for s in config.pool if pooled and of_shape(s, record)), None)
+    return Hold(
+        uuid=stored.uuid,
+        name=record.name,
+        stem=record.stem,
+        gpus=stored.hostdevs,
+        port=record.ssh.port,
+        partition=record.fabric_partition,
+        pool=shape.key if shape else None,
+        image_id=record.image_id if shape else None,
+    )
+
+
+def _fabric(config: Config, view: HostView, lock: Lock, report: Report) -> None:
+    """Deactivate partitions leased to a UUID that is neither a domain nor a reservation."""
+    fabric = FabricLease(config)
+    with lock():  # fresh: the view still lists the domains taken apart above (tombstones)
+        holds = Holds(config)
+        reserved, gone = holds.all(), holds.gone()
+    live = ({stored.uuid for stored in view.domains} - gone) | set(reserved)
+    names = {s.domain.removeprefix(DOMAIN_PREFIX) for s in view.domains}
+    names |= {hold.stem for hold in reserved.values()}
+    report.problems += fabric.reconcile(live, names)
 
 
 def names_on_disk(config: Config) -> set[str]:

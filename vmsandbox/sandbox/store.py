@@ -4,17 +4,21 @@ and each one as a caller sees it (the state shown follows whether its domain run
 libvirt is the only database: every sandbox is a persistent domain whose metadata holds its
 record (record.py) and lifecycle state: ``vmsbx-<name>`` when it was created cold,
 ``vmsbx-pool-<id>`` when it was claimed from the warm pool (pool.py; the record's ``guest``
-names that guest). Every reader finds a sandbox by the name in its record.
+names that guest). Every reader finds a sandbox by the name in its record, never by its
+domain's: the claimed guest's old name is not the sandbox's. The name is a label a user picks;
+what a sandbox is, once found, is its domain's UUID (``Found.uuid``, ``Sandbox.uuid``), which
+callers that act on it later (destroy, stop, start) hand back so that they reach that very
+sandbox and not a later one of the same name.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vmsandbox.config import Config
-from vmsandbox.errors import FailedPrecondition, NotFound
-from vmsandbox.sandbox import credential, plan
+from vmsandbox.errors import FailedPrecondition, NotFound, Unavailable
+from vmsandbox.sandbox import credential
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.record import (
     DOMAIN_PREFIX,
@@ -26,7 +30,16 @@ from vmsandbox.sandbox.record import (
     names_domain,
 )
 from vmsandbox.validate import validate_name
-from vmsandbox.vm.hypervisor import Hypervisor
+from vmsandbox.vm.hypervisor import Hypervisor, Stored
+
+
+@dataclass(frozen=True)
+class Found:
+    """A sandbox as found: its record, lifecycle state and domain UUID."""
+
+    record: SandboxRecord
+    state: str
+    uuid: str
 
 
 class SandboxStore:
@@ -39,20 +52,36 @@ class SandboxStore:
     def all(self) -> list[tuple[SandboxRecord, str]]:
         """Our sandboxes (any state directory) with their recorded state. A record of a newer
         vmsandbox is refused when it is this state directory's, and skipped otherwise."""
+        return [(found.record, found.state) for found in self.found()]
+
+    def found(self) -> list[Found]:
+        """As ``all``, with each sandbox's domain UUID."""
         found = []
         for stored in self.hypervisor.list(DOMAIN_PREFIX):
-            if stored.data is None or not names_domain(stored.data, stored.domain):
-                continue
-            try:
-                found.append((SandboxRecord.from_dict(stored.data), stored.state))
-            except FailedPrecondition:
-                if str(stored.data.get("keys", "")).startswith(f"{self.config.sandboxes}/"):
-                    raise
+            record = self._record(stored)
+            if record is not None:
+                found.append(Found(record, stored.state, stored.uuid))
         return found
 
+    def _record(self, stored: Stored) -> SandboxRecord | None:
+        if stored.data is None or not names_domain(stored.data, stored.domain):
+            return None
+        try:
+            return SandboxRecord.from_dict(stored.data)
+        except FailedPrecondition:
+            if str(stored.data.get("keys", "")).startswith(f"{self.config.sandboxes}/"):
+                raise
+            return None
+
     def lookup(self, name: str) -> tuple[SandboxRecord, str] | None:
-        """The record and state of sandbox ``name``: domain ``vmsbx-<name>`` when created cold,
-        else the claimed pooled guest whose record names it; None when there is none.
+        """The record and state of sandbox ``name`` (``find``)."""
+        found = self.find(name)
+        return None if found is None else (found.record, found.state)
+
+    def find(self, name: str) -> Found | None:
+        """Sandbox ``name``: domain ``vmsbx-<name>`` when created cold and its record still
+        has that name, else the claimed pooled guest whose record names it; None when there is
+        none (a pooled guest claimed by another name is not found by its old one).
         FAILED_PRECONDITION for a domain of that name that vmsandbox did not make."""
         stored = self.hypervisor.metadata(DOMAIN_PREFIX + name)
         if stored is not None:
@@ -61,44 +90,63 @@ class SandboxStore:
                     f"domain {stored.domain!r} exists but was not made by vmsandbox; "
                     "not touching it"
                 )
-            return SandboxRecord.from_dict(stored.data), stored.state
+            record = SandboxRecord.from_dict(stored.data)
+            if record.name == name:
+                return Found(record, stored.state, stored.uuid)
         return next(
-            (found for found in self.all() if found[0].guest and found[0].name == name), None
+            (found for found in self.found() if found.record.guest and found.record.name == name),
+            None,
         )
+
+    def by_domain(self, domain: str) -> Found | None:
+        """The sandbox whose domain is ``domain`` (a claimed guest's keeps the guest's name);
+        None when that domain is gone or is not a sandbox."""
+        stored = self.hypervisor.metadata(domain)
+        if stored is None or (record := self._record(stored)) is None:
+            return None
+        return Found(record, stored.state, stored.uuid)
 
     def get(self, name: str) -> tuple[SandboxRecord, str]:
         """As ``lookup``, for a valid name; NOT_FOUND when there is no such sandbox."""
+        found = self.require(name)
+        return found.record, found.state
+
+    def require(self, name: str, uuid: str | None = None) -> Found:
+        """As ``find``, for a valid name; NOT_FOUND when there is no such sandbox, or (with
+        ``uuid``) when the sandbox of that name now is another one."""
         validate_name(name)
-        found = self.lookup(name)
+        found = self.find(name)
         if found is None:
             raise NotFound(f"sandbox {name!r} does not exist", details={"name": name})
+        if uuid is not None and found.uuid != uuid:
+            raise NotFound(
+                f"sandbox {name!r} with id {uuid} does not exist (a later sandbox has the name)",
+                details={"name": name, "uuid": uuid},
+            )
         return found
 
     def local(self, record: SandboxRecord) -> bool:
         """Whether this state directory made the sandbox (its record names our keys folder)."""
         return record.keys == str(SandboxFiles.of(self.config, record.stem).keys_dir)
 
-    def free_port(self) -> int:
-        """A loopback port that no sandbox of ours forwards and nothing listens on now."""
-        return plan.free_port({record.ssh.port for record, _state in self.all()})
-
     def put(self, record: SandboxRecord, state: str) -> None:
         self.hypervisor.set_metadata(record.domain, record.to_dict(), state)
 
-    def update(self, name: str, **changes: Any) -> Sandbox:
-        """Write ``changes`` (record fields) into sandbox ``name``'s record, under the host lock
-        the caller holds; the sandbox as it is then."""
-        record, state = self.get(name)
-        record = replace(record, **changes)
-        self.put(record, state)
-        return self.view(record, state)
+    def update(self, name: str, *, uuid: str | None = None, **changes: Any) -> Sandbox:
+        """Write ``changes`` (record fields) into sandbox ``name``'s record (with ``uuid``: only
+        the sandbox of that identity, ``require``), under the host lock the caller holds; the
+        sandbox as it is then."""
+        found = self.require(name, uuid)
+        record = replace(found.record, **changes)
+        self.put(record, found.state)
+        return self.view(record, found.state, found.uuid)
 
     def holder(self, secret: str) -> Sandbox | None:
         """The sandbox whose recorded credential ``secret`` matches (credential.py, each record
         compared in constant time); None when none does."""
-        for record, state in self.all():
-            if record.credential and credential.matches(secret, record.credential):
-                return self.view(record, state)
+        for f in self.found():
+            if f.record.credential and credential.matches(secret, f.record.credential):
+                return self.view(f.record, f.state, f.uuid)
         return None
 
     def with_address(self, record: SandboxRecord, state: str) -> SandboxRecord:
@@ -111,14 +159,20 @@ class SandboxStore:
                 self.put(record, state)
         return record
 
-    def view(self, record: SandboxRecord, state: str) -> Sandbox:
+    def view(self, record: SandboxRecord, state: str, uuid: str = "") -> Sandbox:
         """The sandbox as a caller sees it: its recorded state while its domain runs (or while
         it is being made, only defined, or started by a process that still lives), else
-        ``stopped``."""
-        running = self.hypervisor.running(record.domain)
+        ``stopped``. When libvirtd cannot say whether it runs, the recorded state (a create
+        that committed must not turn into an error on its last read)."""
+        try:
+            running = self.hypervisor.running(record.domain)
+        except Unavailable:  # libvirtd is away: show what the record says, decide nothing
+            running = True
         starter = record.starter
         starting = state == STATE_STARTING and starter is not None and starter.alive()
         held = running or starting or state in (STATE_CREATING, STATE_DEFINED)
-        return Sandbox.of(
-            record, state if held else "stopped", SandboxFiles.of(self.config, record.stem)
-        )
+        files = SandboxFiles.of(self.config, record.stem)
+        sandbox = Sandbox.of(record, state if held else "stopped", files)
+        sandbox.uuid = uuid
+        sandbox.local = self.local(record)
+        return sandbox

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 
 class StepTimes:
-    """A crash checkpoint that also times the steps: lifecycle.run calls it once the host lock
+    """A crash checkpoint that also times the steps: runner.run calls it once the host lock
     is taken ("locked") and after each step, so the time since the last call is the lock's
     wait or that step's."""
 

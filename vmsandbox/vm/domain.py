@@ -9,6 +9,7 @@ only database.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ DOMAIN_PREFIX = "vmsbx-"
 USER_NET_SLOT = "0x10"
 # The virtio-serial port that guest/programs/control.py serves in the project's own images.
 CONTROL_PORT = "org.vmsandbox.control.0"
+_HOSTFWD = re.compile(r"hostfwd=tcp:127\.0\.0\.1:\d+-:22")
 
 
 @dataclass
@@ -188,3 +190,14 @@ def read_metadata(domain_xml: str) -> tuple[dict[str, Any], str] | None:
     if not isinstance(record, dict):
         return None
     return record, sandbox.get("state", "unknown")
+
+
+def with_ssh_port(xml: str, port: int) -> str:
+    """Domain XML ``xml`` (as libvirt keeps it) with its user network's SSH forward moved to
+    loopback port ``port`` (QEMU could not bind the old one: another program took it)."""
+    root = etree.fromstring(xml.encode(), etree.XMLParser(resolve_entities=False))
+    for arg in root.iterfind(f"{{{QEMU_NS}}}commandline/{{{QEMU_NS}}}arg"):
+        value = arg.get("value", "")
+        if value.startswith("user,id=vmsbxnet0,"):
+            arg.set("value", _HOSTFWD.sub(f"hostfwd=tcp:127.0.0.1:{int(port)}-:22", value))
+    return etree.tostring(root, encoding="unicode")

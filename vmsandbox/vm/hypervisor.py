@@ -81,28 +81,39 @@ def libvirt_errors(doing: str) -> Iterator[None]:
 @dataclass(frozen=True)
 class Stored:
     """A domain's vmsandbox metadata: the record as stored (None when the domain carries none,
-    i.e. it is not ours) and the lifecycle state beside it."""
+    i.e. it is not ours) and the lifecycle state beside it; the domain's UUID, its immutable
+    identity; and, from ``every_domain()``, the host PCI devices (BDFs) its XML holds."""
 
     domain: str
     data: dict[str, Any] | None
     state: str
+    uuid: str = ""
+    hostdevs: tuple[str, ...] = ()
 
 
 class Hypervisor(Protocol):
     """What the manager asks of a hypervisor. Every method names the domain; ``stop``,
     ``shutdown`` (the guest's ACPI power button), ``undefine`` and ``detach`` succeed when
     there is nothing to do. ``attach``/``detach`` take a device's XML (a GPU-ready pooled
-    guest's hostdevs, gpu/hotplug.py)."""
+    guest's hostdevs, gpu/hotplug.py).
+
+    ``stop`` and ``undefine`` given a ``uuid`` act on the domain with that UUID only (nothing
+    when there is none), whatever its name: an undo never reaches a domain another call made
+    under the same name. ``every_domain``, ``list`` and ``running`` fail closed: a libvirt error
+    raises (UNAVAILABLE when libvirtd is gone), never a shorter list or a guess; only a domain
+    that vanished while it was read is left out."""
 
     def define(self, xml: str) -> None: ...
     def start(self, domain: str) -> None: ...
-    def stop(self, domain: str) -> None: ...
+    def stop(self, domain: str, uuid: str | None = None) -> None: ...
     def shutdown(self, domain: str) -> None: ...
-    def undefine(self, domain: str) -> None: ...
+    def undefine(self, domain: str, uuid: str | None = None) -> None: ...
     def running(self, domain: str) -> bool: ...
     def stop_reason(self, domain: str) -> str: ...
+    def every_domain(self) -> list[Stored]: ...
     def list(self, prefix: str) -> list[Stored]: ...
     def metadata(self, domain: str) -> Stored | None: ...
+    def definition(self, domain: str) -> str: ...
     def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None: ...
     def lease_address(self, domain: str) -> str | None: ...
     def hostdev_holders(self) -> dict[str, str]: ...
@@ -157,19 +168,29 @@ class LibvirtHypervisor:
         with libvirt_errors(f"starting {_what(domain)}"):
             dom.create()
 
-    def stop(self, domain: str) -> None:
-        self._unless_stopped(domain, "stopping", lambda dom: dom.destroy())
+    def _lookup(self, domain: str, uuid: str | None) -> libvirt.virDomain:
+        """The domain by its UUID when one is given, else by name (libvirtError when none)."""
+        if uuid:
+            return self.conn.lookupByUUIDString(uuid)
+        return self.conn.lookupByName(domain)
+
+    def stop(self, domain: str, uuid: str | None = None) -> None:
+        self._unless_stopped(domain, "stopping", lambda dom: dom.destroy(), uuid)
 
     def shutdown(self, domain: str) -> None:
         """Press the guest's power button (ACPI); it powers itself off, or ignores it."""
         self._unless_stopped(domain, "shutting down", lambda dom: dom.shutdown())
 
     def _unless_stopped(
-        self, domain: str, doing: str, act: Callable[[libvirt.virDomain], object]
+        self,
+        domain: str,
+        doing: str,
+        act: Callable[[libvirt.virDomain], object],
+        uuid: str | None = None,
     ) -> None:
         """``act`` on the domain; one that is gone or not running is already where it should be."""
         try:
-            act(self.conn.lookupByName(domain))
+            act(self._lookup(domain, uuid))
         except libvirt.libvirtError as exc:
             if exc.get_error_code() not in (
                 libvirt.VIR_ERR_NO_DOMAIN,
@@ -177,9 +198,9 @@ class LibvirtHypervisor:
             ):
                 raise translate(exc, f"{doing} {_what(domain)}") from exc
 
-    def undefine(self, domain: str) -> None:
+    def undefine(self, domain: str, uuid: str | None = None) -> None:
         try:
-            self.conn.lookupByName(domain).undefineFlags(
+            self._lookup(domain, uuid).undefineFlags(
                 libvirt.VIR_DOMAIN_UNDEFINE_NVRAM
                 | libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
                 | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
@@ -189,10 +210,14 @@ class LibvirtHypervisor:
                 raise translate(exc, f"removing {_what(domain)}") from exc
 
     def running(self, domain: str) -> bool:
+        """Whether the domain runs; False when there is none, an error when libvirt cannot
+        say (a caller must never take "cannot tell" for "stopped")."""
         try:
             return self.conn.lookupByName(domain).isActive() == 1
-        except libvirt.libvirtError:
-            return False
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                return False
+            raise translate(exc, f"reading the state of {_what(domain)}") from exc
 
     def stop_reason(self, domain: str) -> str:
         try:
@@ -205,17 +230,29 @@ class LibvirtHypervisor:
             return _SHUTOFF_REASONS.get(reason, f"libvirt gives shutoff reason {reason}")
         return f"libvirt gives state {state}, reason {reason}"
 
+    def every_domain(self) -> list[Stored]:
+        """Every domain of the connection with its metadata, UUID and held PCI devices: the
+        whole view or an error (see the class docstring)."""
+        return self._read_all(lambda _name: True, hostdevs=True)
+
     def list(self, prefix: str) -> list[Stored]:
+        """The domains whose name starts with ``prefix``: all of them or an error."""
+        return self._read_all(lambda name: name.startswith(prefix), hostdevs=False)
+
+    def _read_all(self, wanted: Callable[[str], bool], *, hostdevs: bool) -> list[Stored]:
         with libvirt_errors("listing domains"):
             domains = self.conn.listAllDomains(0)
         found = []
         for dom in domains:
-            if not dom.name().startswith(prefix):
+            name = dom.name()
+            if not wanted(name):
                 continue
             try:
-                found.append(_stored(dom))
-            except libvirt.libvirtError:
-                continue  # vanished while we looked
+                found.append(_stored(dom, hostdevs=hostdevs))
+            except libvirt.libvirtError as exc:
+                if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                    continue  # undefined between the listing and this read: it is gone
+                raise translate(exc, f"reading {_what(name)} while listing domains") from exc
         return found
 
     def metadata(self, domain: str) -> Stored | None:
@@ -225,6 +262,12 @@ class LibvirtHypervisor:
             if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
                 return None
             raise translate(exc, f"reading {_what(domain)}") from exc
+
+    def definition(self, domain: str) -> str:
+        """The domain's persistent XML (what ``define`` was given, as libvirt keeps it)."""
+        dom = self._domain(domain)
+        with libvirt_errors(f"reading the definition of {_what(domain)}"):
+            return str(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
 
     def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None:
         """Store the record and state; the title follows the record's name (a claimed pooled
@@ -295,8 +338,15 @@ def _what(domain: str) -> str:
     return f"domain {domain!r}"
 
 
-def _stored(dom: libvirt.virDomain) -> Stored:
-    parsed = domain_xml.read_metadata(dom.XMLDesc(0))
-    if parsed is None:
-        return Stored(dom.name(), None, "unknown")
-    return Stored(dom.name(), *parsed)
+def _stored(dom: libvirt.virDomain, *, hostdevs: bool = False) -> Stored:
+    """The domain's metadata and UUID; with ``hostdevs``, also the PCI devices its persistent
+    and (when it runs) live XML hold, as ``host.holders`` reads them."""
+    xml = dom.XMLDesc(0)
+    held: tuple[str, ...] = ()
+    if hostdevs:
+        from vmsandbox.host.holders import domain_hostdevs
+
+        held = domain_hostdevs(dom)
+    parsed = domain_xml.read_metadata(xml)
+    data, state = parsed if parsed is not None else (None, "unknown")
+    return Stored(dom.name(), data, state, dom.UUIDString(), held)

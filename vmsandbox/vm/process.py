@@ -1,12 +1,27 @@
-"""Which process made something, told apart from a later process that reuses its pid.
+"""Who is at work on something, told apart from a later process that reuses its pid, and seen
+across PID namespaces.
 
-A create records its creator's identity (pid, start time, boot id); reconcile removes a sandbox
-still being created only when that process is gone: a recycled pid or a reboot is not it.
+A transition in flight (a create, a claim, a fill, a start) records its owner's identity; a
+record or reservation whose owner is gone is left over and taken apart by reconcile. Two ways
+to tell, the first where there is one:
+
+- **An owner file** (``Ownership``): a file in the state directory's ``owners/`` folder that
+  the transition keeps ``flock``-ed while it works. The kernel drops the lock when the process
+  dies, and anyone who can open the file can test it, whatever PID namespace they run in (a
+  container's pid means nothing on the host). The transition gives the file up when it ends,
+  also when it fails and leaves cleanup to reconcile, so a long-lived process (``vmsandbox
+  serve``) never keeps a failed create alive.
+- **pid, start time and boot id**, for records written before owner files: a reused pid or a
+  reboot is not the owner. Only meaningful inside the PID namespace that wrote it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
+import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -17,19 +32,26 @@ class ProcessIdentity:
     pid: int
     start: str | None  # field 22 of /proc/PID/stat: clock ticks after boot
     boot: str  # /proc/sys/kernel/random/boot_id
+    owner: str | None = None  # the owner file (``Ownership``) this process keeps locked
 
     @classmethod
-    def current(cls) -> ProcessIdentity:
-        return cls(pid=os.getpid(), start=start_time(os.getpid()), boot=boot_id())
+    def current(cls, owner: str | None = None) -> ProcessIdentity:
+        return cls(pid=os.getpid(), start=start_time(os.getpid()), boot=boot_id(), owner=owner)
 
     def alive(self) -> bool:
-        """Whether this very process still runs (not a zombie, not a reused pid)."""
+        """Whether the owner is still at work: its owner file is still locked; without one,
+        this very process still runs (not a zombie, not a reused pid, not another boot)."""
+        if self.owner is not None:
+            return owner_alive(Path(self.owner))
         if self.boot != boot_id() or self.start is None:
             return False
         return start_time(self.pid) == self.start
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.owner is None:
+            del data["owner"]  # records without owner files read as they did
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProcessIdentity | None:
@@ -38,7 +60,72 @@ class ProcessIdentity:
             return None
         start = data.get("start")
         start_text = str(start) if start is not None else None
-        return cls(pid=pid, start=start_text, boot=str(data.get("boot")))
+        owner = data.get("owner")
+        return cls(
+            pid=pid,
+            start=start_text,
+            boot=str(data.get("boot")),
+            owner=str(owner) if owner else None,
+        )
+
+
+class Ownership:
+    """An owner file in ``folder``, kept locked from ``begin`` until ``end`` (or death)."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.path = folder / secrets.token_hex(8)
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self.identity = ProcessIdentity.current(str(self.path))
+
+    @property
+    def active(self) -> bool:
+        return self._fd is not None
+
+    def end(self) -> None:
+        """Give the owner file up: from now on the owner reads as gone."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        os.close(self._fd)
+        self._fd = None
+
+
+_PROCESS_OWNERS: dict[Path, Ownership] = {}
+
+
+def process_owner(folder: Path) -> ProcessIdentity:
+    """The identity of this process with an owner file in ``folder`` that it keeps for as
+    long as it lives (a ``starter``: shown starting while the process that started it lives)."""
+    owner = _PROCESS_OWNERS.get(folder)
+    if owner is None or not owner.active:
+        owner = _PROCESS_OWNERS[folder] = Ownership(folder)
+    return owner.identity
+
+
+os.register_at_fork(after_in_child=_PROCESS_OWNERS.clear)  # a child is another process
+
+
+def owner_alive(path: Path) -> bool:
+    """Whether someone keeps the owner file ``path`` locked; a file nobody locks is removed."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        raise
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return False
+    finally:
+        os.close(fd)
 
 
 def start_time(pid: int) -> str | None:

@@ -1,12 +1,16 @@
 """A sandbox's Fabric Manager partition: activated before its domain starts, deactivated once
-the domain is gone, and never left active by a crash.
+the domain is gone, and never left active by a crash or a timeout.
 
-The ledger is one file per partition vmsandbox activated, ``<state_dir>/fabric/<id>.json``
-naming the sandbox. It is written under the host lock *before* fmpm activates the partition,
-so a create killed at any point leaves either nothing or a ledger entry; reconcile (under the
-same lock) deactivates every entry whose sandbox has no domain any more, which covers both a
-partition recorded by a sandbox whose domain is gone and one left by a killed create. The
-domain's record carries the partition id too (``fabric_partition``), for the user to see.
+The ledger is one file per partition vmsandbox activated, ``<state_dir>/fabric/<id>.json``,
+naming the sandbox by its immutable identity, the UUID of its domain (and, for people, its
+name): a claimed pooled guest keeps its domain's name but is another sandbox, and a name can
+be used again. The entry is written *before* fmpm activates the partition, so a create killed
+at any point leaves either nothing or an entry. It is removed only when the partition is known
+inactive: after a deactivation, or when FM refused the activation; an fmpm that timed out or
+could not be reached may have activated it, so the entry stays and the release (or reconcile)
+deactivates it. Reconcile deactivates every entry whose UUID belongs to no domain and to no
+reservation in flight (``vmsandbox.sandbox.holds``). The domain's record carries the partition
+id too (``fabric_partition``), for the user to see.
 
 The version rule is checked before anything is activated: in shared NVSwitch mode the image's
 NVIDIA driver must be Fabric Manager's release (``vmsandbox.gpu.fabric.version``).
@@ -22,11 +26,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vmsandbox.config import Config
-from vmsandbox.errors import VmSandboxError
+from vmsandbox.errors import FailedPrecondition, Unavailable, VmSandboxError
 from vmsandbox.gpu.fabric.version import check_driver_matches, fm_version
 
 if TYPE_CHECKING:
     from vmsandbox.gpu.fabric.fmpm import Fmpm
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One ledger entry: the partition, the sandbox's domain UUID and its name. ``uuid`` is
+    empty in entries written before leases named UUIDs (they are matched by name)."""
+
+    partition: int
+    uuid: str
+    sandbox: str
 
 
 @dataclass(frozen=True)
@@ -47,61 +61,93 @@ class FabricLease:
         return client(self.config)
 
     def activate(
-        self, partition_id: int, sandbox: str, *, image: str, image_driver: str | None
+        self,
+        partition_id: int,
+        uuid: str,
+        sandbox: str,
+        *,
+        image: str,
+        image_driver: str | None,
     ) -> None:
-        """Under the host lock: check the version rule, record the lease, activate. A failed
-        activation removes the record again, so nothing is left."""
+        """Check the version rule, record the lease, activate. A refusal by FM (the partition
+        was not activated) removes the entry again; any other failure keeps it for the
+        release, since FM may have activated the partition all the same."""
         fm = self.config.fm_version or fm_version(self.config.fabric_manager)
         check_driver_matches(image, image_driver, fm)
         self.ledger.mkdir(mode=0o700, parents=True, exist_ok=True)
         entry = self._entry(partition_id)
         partial = entry.with_suffix(".partial")
-        partial.write_text(json.dumps({"sandbox": sandbox, "partition": partition_id}) + "\n")
+        data = {"partition": partition_id, "uuid": uuid, "sandbox": sandbox}
+        partial.write_text(json.dumps(data) + "\n")
         os.replace(partial, entry)
         try:
             self.fmpm().activate(partition_id)
-        except BaseException:
-            entry.unlink(missing_ok=True)
+        except FailedPrecondition:
+            entry.unlink(missing_ok=True)  # FM refused: nothing was activated
+            raise
+        except Unavailable as exc:
+            exc.add_note(
+                f"the lease of partition {partition_id} is kept: FM may have activated it; "
+                "the create's cleanup or reconcile deactivates it"
+            )
             raise
 
-    def release(self, sandbox: str) -> None:
-        """Deactivate the partitions leased to ``sandbox`` (its domain is gone) and forget
-        them; asks FM nothing when it has none. UNAVAILABLE when FM cannot be reached: the
-        entries stay, for reconcile to finish."""
-        self._release(pid for pid, name in self.leases().items() if name == sandbox)
+    def release(self, uuid: str, sandbox: str = "") -> None:
+        """Deactivate the partitions leased to the sandbox with domain UUID ``uuid`` (entries
+        from before UUIDs: to ``sandbox`` by name) and forget them; asks FM nothing when it
+        has none. UNAVAILABLE when FM cannot be reached: the entries stay, for reconcile."""
+        self._release(lease.partition for lease in self.leases() if _names(lease, uuid, sandbox))
 
-    def reconcile(self, live: Iterable[str]) -> list[str]:
-        """Release every lease whose sandbox is not in ``live`` (names with a domain); return
-        the problems (FM unreachable is one, not an error: the leases stay for next time)."""
-        alive = set(live)
-        orphans = [pid for pid, name in self.leases().items() if name not in alive]
+    def reconcile(self, live: Iterable[str], live_names: Iterable[str] = ()) -> list[str]:
+        """Release every lease whose UUID is not in ``live`` (the UUIDs of every domain and
+        every reservation in flight; entries from before UUIDs: whose name is not in
+        ``live_names``); return the problems (FM unreachable is one, not an error: the
+        leases stay for next time)."""
+        alive, named = set(live), set(live_names)
+        orphans = [
+            lease.partition
+            for lease in self.leases()
+            if (lease.uuid not in alive if lease.uuid else lease.sandbox not in named)
+        ]
         try:
             self._release(orphans)
         except VmSandboxError as exc:
-            return [f"fabric partitions {orphans}: {exc.message}"]
+            return [f"fabric partitions {sorted(orphans)}: {exc.message}"]
         return []
 
-    def leases(self) -> dict[int, str]:
-        """Partition id -> sandbox, from the ledger."""
-        found: dict[int, str] = {}
+    def leases(self) -> list[Lease]:
+        """The ledger's entries."""
+        found: list[Lease] = []
         if self.ledger.is_dir():
             for path in self.ledger.glob("*.json"):
                 try:
-                    found[int(path.stem)] = str(json.loads(path.read_text())["sandbox"])
-                except (ValueError, KeyError, TypeError, OSError):
+                    data = json.loads(path.read_text())
+                    found.append(
+                        Lease(int(path.stem), str(data.get("uuid", "")), str(data["sandbox"]))
+                    )
+                except (ValueError, KeyError, TypeError, AttributeError, OSError):
                     continue  # not a ledger entry
-        return found
+        return sorted(found, key=lambda lease: lease.partition)
 
     def _release(self, partition_ids: Iterable[int]) -> None:
-        wanted = sorted(partition_ids)
+        wanted = sorted(set(partition_ids))
         if not wanted:
             return
         fmpm = self.fmpm()
         active = {partition.id for partition in fmpm.list().active()}
         for partition_id in wanted:
             if partition_id in active:
-                fmpm.deactivate(partition_id)
+                try:
+                    fmpm.deactivate(partition_id)
+                except FailedPrecondition:
+                    # FM refused: fine when another release deactivated it meanwhile
+                    if partition_id in {p.id for p in fmpm.list().active()}:
+                        raise
             self._entry(partition_id).unlink(missing_ok=True)
 
     def _entry(self, partition_id: int) -> Path:
         return self.ledger / f"{partition_id}.json"
+
+
+def _names(lease: Lease, uuid: str, sandbox: str) -> bool:
+    return lease.uuid == uuid if lease.uuid else bool(sandbox) and lease.sandbox == sandbox

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vmsandbox.config import Config
 from vmsandbox.gpu.fabric.fmpm import Fmpm
@@ -32,6 +32,7 @@ def client(config: Config) -> Fmpm:
         binary=config.fmpm,
         unix_socket=config.fm_unix_socket or None,
         hostname=config.fm_hostname or None,
+        timeout=config.fmpm_timeout,
     )
 
 
@@ -54,3 +55,22 @@ def owners(table: PartitionTable, inventory: Inventory) -> dict[int, str]:
         if holder is not None:
             found[partition.id] = holder
     return found
+
+
+def with_reservations(fabric: Fabric, inventory: Inventory, reserved: Mapping[int, str]) -> Fabric:
+    """The fabric as the allocation under the host lock sees it: the partitions that
+    reservations hold (partition id -> holder; their activation runs outside the lock, so FM
+    may not list them active yet) count as active, and the owners are read again from
+    ``inventory``'s holders (``host.model.with_holders``)."""
+    if fabric.table is None:
+        return fabric
+    table = replace(
+        fabric.table,
+        partitions=tuple(
+            replace(p, active=p.active or p.id in reserved) for p in fabric.table.partitions
+        ),
+    )
+    found = owners(table, inventory)
+    for partition_id, holder in reserved.items():
+        found.setdefault(partition_id, holder)
+    return Fabric(fabric.mode, table, found)
