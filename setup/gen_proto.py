@@ -11,7 +11,10 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-PROTOS = ("vmsandbox/openshell/proto/compute_driver.proto",)
+PROTOS = (
+    "vmsandbox/openshell/proto/compute_driver.proto",
+    "vmsandbox/openshell/proto/host_info.proto",
+)
 
 
 def generate(root: Path, out: Path | None = None) -> None:

@@ -14,7 +14,9 @@ and what its guest receives.
 - Guest: the template's then the spec's environment, OPENSHELL_SANDBOX, OPENSHELL_SANDBOX_ID
   and OPENSHELL_LOG_LEVEL; the sandbox token written 0600 to TOKEN_PATH (named by
   OPENSHELL_SANDBOX_TOKEN_FILE), never put in the environment; ``command`` as the main process.
-  ``tty`` has no meaning without the supervisor and is ignored.
+  ``tty`` has no meaning without the supervisor and is ignored. A request that gives the guest
+  none of these (``gives_guest_nothing``) and fits a ``[pool]`` shape claims a ready pooled
+  guest (service.py), which gets no environment: its identity is in the labels.
 - Credential: a salted digest of the sandbox token (``vmsandbox.sandbox.credential``) goes into the
   record, so AuthenticateSandbox can tell which sandbox holds a token; the token does not.
 - With a supervisor (``vmsandbox.openshell.supervisor``), the guest also gets the supervisor,
@@ -114,6 +116,19 @@ def translate(
                 else None
             ),
         ),
+    )
+
+
+def gives_guest_nothing(sandbox: pb.DriverSandbox) -> bool:
+    """Whether ``sandbox`` hands its guest nothing of its own (no command, environment, token
+    or log level): such a sandbox may be a ready pooled guest, its identity kept in labels."""
+    spec = sandbox.spec
+    return not (
+        spec.command
+        or spec.environment
+        or spec.template.environment
+        or spec.sandbox_token
+        or spec.log_level
     )
 
 

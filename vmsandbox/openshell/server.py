@@ -1,5 +1,6 @@
 """``vmsandbox serve --openshell-socket PATH``: the compute driver in the foreground until
-SIGTERM or SIGINT, logging to stderr.
+SIGTERM or SIGINT, logging to stderr. The socket also serves ``vmsandbox.host.v1.HostInfo``
+(hostinfo.py), which a fleet agent on this host reads.
 
 gRPC listens on a socket in a private 0700 folder; the gateway's socket at PATH is served by a
 ``PeerGate`` that checks each peer's uid and relays to it. A gateway that disconnects and
@@ -22,7 +23,9 @@ import grpc
 from vmsandbox.config import Config
 from vmsandbox.errors import VmSandboxError
 from vmsandbox.openshell.events import DomainEvents
+from vmsandbox.openshell.hostinfo import HostInfo
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
+from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
 from vmsandbox.openshell.service import ComputeDriver
 from vmsandbox.openshell.socket import PeerGate
 
@@ -51,6 +54,7 @@ def serve(socket_path: str, config: Config | None = None) -> int:
     backend = private / "grpc.sock"
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=_WORKERS))
     pb_grpc.add_ComputeDriverServicer_to_server(driver, server)
+    info_grpc.add_HostInfoServicer_to_server(HostInfo(config), server)
     server.add_insecure_port(f"unix:{backend}")
     gate: PeerGate | None = None
     try:

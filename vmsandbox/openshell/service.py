@@ -1,6 +1,8 @@
 """The ``openshell.compute.v1.ComputeDriver`` RPCs, each mapped onto SandboxManager.
 
-- CreateSandbox defines the sandbox (GPUs chosen under the host lock), starts it and returns;
+- CreateSandbox defines the sandbox (GPUs chosen under the host lock), starts it and returns
+  (a request that gives the guest nothing, of a ``[pool]`` shape, claims a ready pooled guest
+  instead, when there is one);
   a background thread then waits for SSH and the in-guest GPU check (``SandboxManager.wait``),
   whose outcome reaches the gateway as a snapshot on the watch stream. A start that libvirt
   refuses (a GPU that cannot be passed through) removes the sandbox before the error returns.
@@ -26,6 +28,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -36,13 +39,20 @@ from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandb
 from vmsandbox.openshell.events import DomainEvent, EventSource
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
-from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, sandbox_name, translate
+from vmsandbox.openshell.request import (
+    DEFAULT_IMAGE,
+    ID_LABEL,
+    gives_guest_nothing,
+    sandbox_name,
+    translate,
+)
 from vmsandbox.openshell.status import MAIN_QUERY, MainProcess, main_process, snapshot
 from vmsandbox.openshell.supervisor import Supervisor
 from vmsandbox.openshell.transitions import Transitions
 from vmsandbox.openshell.tunnel import GatewayTunnels
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.pool import fits
 from vmsandbox.sandbox.record import DOMAIN_PREFIX, STATE_READY
 
 log = logging.getLogger(__name__)
@@ -230,14 +240,22 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             with self._manager() as manager:
                 images = [image.name for image in manager.images.list()]
                 wanted = translate(request.sandbox, images, self.supervisor)
-                sandbox = manager.create(wanted.spec, start=False)
-                self._remember(sandbox)
-                try:
-                    manager.start(wanted.name, wait=False)
-                except VmSandboxError:
-                    with contextlib.suppress(VmSandboxError):
-                        manager.destroy(wanted.name)
-                    raise
+                bare = replace(wanted.spec, guest=None)
+                if gives_guest_nothing(request.sandbox) and any(
+                    fits(shape, bare) for shape in manager.config.pool
+                ):
+                    # a ready pooled guest of the shape is claimed, else it boots cold; a
+                    # failure undoes everything either way
+                    self._remember(manager.create(bare, wait=False))
+                else:
+                    sandbox = manager.create(wanted.spec, start=False)
+                    self._remember(sandbox)
+                    try:
+                        manager.start(wanted.name, wait=False)
+                    except VmSandboxError:
+                        with contextlib.suppress(VmSandboxError):
+                            manager.destroy(wanted.name)
+                        raise
             log.info("sandbox %s (%s) started", wanted.name, request.sandbox.id)
             self._become_ready(wanted.name)
 
