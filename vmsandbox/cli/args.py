@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     images_sub.add_parser(
         "prune", parents=common, help="remove builds that are not current and that no sandbox uses"
     )
+    from vmsandbox.fleet.cli import add_parser as add_fleet  # no Ray: that comes when one runs
+
+    add_fleet(sub, common)
     return parser
 
 

@@ -266,6 +266,12 @@ def _cmd_serve(args: argparse.Namespace, _out: Output) -> int:
     return serve(args.openshell_socket)
 
 
+def _cmd_fleet(args: argparse.Namespace, out: Output) -> int:
+    from vmsandbox.fleet.cli import run  # Ray and the fleet extra are needed from here on
+
+    return run(args, out)
+
+
 def _cmd_verify(args: argparse.Namespace, out: Output) -> int:
     with _manager() as manager:
         report = manager.verify(args.name)
@@ -440,4 +446,5 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "verify": _cmd_verify,
     "images": _cmd_images,
     "pool": _cmd_pool,
+    "fleet": _cmd_fleet,
 }
