@@ -263,7 +263,7 @@ def _cmd_start(args: argparse.Namespace, out: Output) -> int:
 def _cmd_serve(args: argparse.Namespace, _out: Output) -> int:
     from vmsandbox.openshell.server import serve
 
-    return serve(args.openshell_socket)
+    return serve(args.openshell_socket, metrics_address=args.metrics_address)
 
 
 def _cmd_fleet(args: argparse.Namespace, out: Output) -> int:

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util import placement_group as pg_api
+from ray.util.placement_group import (
+    get_placement_group,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 from vmsandbox.errors import AlreadyExists, Unavailable
 from vmsandbox.fleet import model
@@ -55,7 +60,7 @@ def place(
     where it was placed, or None (the claim is removed then). ALREADY_EXISTS when a claim of
     that name exists."""
     try:
-        group = pg_api.placement_group(
+        group = placement_group(
             [dict(bundle)],
             name=name,
             lifetime="detached",
@@ -77,7 +82,7 @@ def place(
 
 
 def _node_of(group: Any) -> str | None:
-    table = pg_api.placement_group_table(group)
+    table = placement_group_table(group)
     nodes = table.get("bundles_to_node_id") or {}
     return nodes.get(0)
 
@@ -85,18 +90,18 @@ def _node_of(group: Any) -> str | None:
 def remove(name: str) -> bool:
     """Remove claim ``name``; False when there was none."""
     try:
-        group = pg_api.get_placement_group(name)
+        group = get_placement_group(name)
     except ValueError:
         return False
     with contextlib.suppress(Exception):  # removed meanwhile by another fleet process
-        pg_api.remove_placement_group(group)
+        remove_placement_group(group)
     return True
 
 
 def claims() -> list[Claim]:
     """Every live claim of the fleet (placed, waiting or being placed again)."""
     found = []
-    for entry in pg_api.placement_group_table().values():
+    for entry in placement_group_table().values():
         name = entry.get("name") or ""
         if entry.get("state") not in _LIVE or not name.startswith(
             (model.CLAIM_PREFIX, model.PIN_PREFIX)
@@ -164,7 +169,7 @@ def wait_gone(name: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            pg_api.get_placement_group(name)
+            get_placement_group(name)
         except ValueError:
             return True
         time.sleep(0.05)

@@ -62,6 +62,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     join.add_argument("--name", help="the host's name in the fleet (default: the host name)")
     join.add_argument("--node-ip", help="this host's address on the fleet's private network")
+    join.add_argument("--temp-dir", help="Ray's folder for this node (default: Ray's, /tmp/ray)")
 
     serve = command("serve", "serve the fleet as one OpenShell compute driver (foreground)")
     serve.add_argument("--openshell-socket", metavar="PATH", required=True)
@@ -93,7 +94,13 @@ def run(args: argparse.Namespace, out: Any) -> int:
         from vmsandbox.fleet.join import join
 
         name = args.name or socket.gethostname().lower()
-        return join(args.address, args.openshell_socket, name, node_ip=args.node_ip)
+        return join(
+            args.address,
+            args.openshell_socket,
+            name,
+            node_ip=args.node_ip,
+            temp_dir=args.temp_dir,
+        )
     if args.fleet_command == "serve":
         from vmsandbox.fleet.server import serve
 

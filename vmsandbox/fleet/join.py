@@ -60,7 +60,11 @@ def read_host(socket_path: str, timeout: float = 30.0) -> dict:
 
 
 def ray_start_argv(
-    address: str, totals: dict[str, float], labels: dict[str, str], node_ip: str | None
+    address: str,
+    totals: dict[str, float],
+    labels: dict[str, str],
+    node_ip: str | None,
+    temp_dir: str | None = None,
 ) -> list[str]:
     """The ``ray start`` command line of the host's node."""
     ray_cli = Path(sys.executable).with_name("ray")
@@ -84,6 +88,8 @@ def ray_start_argv(
     ]
     if node_ip:
         argv += ["--node-ip-address", node_ip]
+    if temp_dir:
+        argv += ["--temp-dir", temp_dir]
     return argv
 
 
@@ -93,6 +99,7 @@ def join(
     name: str,
     *,
     node_ip: str | None = None,
+    temp_dir: str | None = None,
     stop: threading.Event | None = None,
 ) -> int:
     """Join the fleet at ``address`` as host ``name`` until ``stop`` is set (SIGTERM/SIGINT when
@@ -123,7 +130,7 @@ def join(
                 details={"field": "name", "value": name},
             )
         node = subprocess.Popen(
-            ray_start_argv(address, totals, labels, node_ip),
+            ray_start_argv(address, totals, labels, node_ip, temp_dir),
             stdout=subprocess.DEVNULL,  # its errors go to stderr, which is ours
             text=True,
             start_new_session=True,
@@ -146,21 +153,31 @@ def join(
             )
             _wait_ready(name, agent, node)
             log.info("host %s joined the fleet at %s", name, address)
+            ray.shutdown()  # the agent is detached: this process need not stay connected
             while not stop.wait(1.0):
                 if node.poll() is not None:
                     log.error("host %s: the Ray node stopped: %s", name, _tail(node))
                     return 1
             log.info("host %s leaves the fleet", name)
-            try:
-                ray.get(agent.close.remote(), timeout=10)
-            except Exception as exc:  # the node may be gone already: nothing to give back
-                log.warning("host %s: the agent did not close: %s", name, exc)
-            ray.kill(agent)
+            _leave(address, name)
             return 0
         finally:
             _stop_node(node)
     finally:
         ray.shutdown()
+
+
+def _leave(address: str, name: str) -> None:
+    """Close the host's agent (its pinned claim given back) and stop it."""
+    import ray
+
+    ray.init(address=address, namespace=model.NAMESPACE, logging_level="warning")
+    try:
+        agent = ray.get_actor(model.agent_name(name), namespace=model.NAMESPACE)
+        ray.get(agent.close.remote(), timeout=10)
+        ray.kill(agent)
+    except Exception as exc:  # the node may be gone already: nothing to give back
+        log.warning("host %s: the agent did not close: %s", name, exc)
 
 
 def _wait_node(name: str, node: subprocess.Popen[str]) -> None:
