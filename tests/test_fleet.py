@@ -67,7 +67,7 @@ class Fixture:
     def host_info(self, name: str) -> dict:
         from vmsandbox.fleet.join import read_host
 
-        return read_host(str(self.sockets[name]), timeout=1)
+        return read_host(str(self.sockets[name]), wait=False)
 
 
 def _start_driver(root: Path, name: str, metrics_port: int) -> tuple[subprocess.Popen[bytes], Path]:
@@ -137,12 +137,13 @@ def quiet(fx: Fixture) -> dict[str, dict[str, float]]:
     """Until every host is ready and Ray's free amounts equal the hosts' own; the last drift."""
     assert fx.fleet is not None
     deadline = time.monotonic() + QUIET
+    clean = 0  # looks in a row without drift: an agent's answer may predate the last change
     while True:
         views = fx.fleet.hosts()
         drift = {view.name: view.drift() for view in views if view.state != "lost"}
-        if all(view.state in ("ready", "lost") for view in views) and not any(drift.values()):
-            return drift
-        if time.monotonic() > deadline:
+        settled = all(view.state in ("ready", "lost") for view in views)
+        clean = clean + 1 if settled and not any(drift.values()) else 0
+        if clean >= 4 or time.monotonic() > deadline:
             return drift
         time.sleep(0.5)
 
@@ -253,9 +254,8 @@ def test_a_burst_of_creates_never_double_allocates(fx: Fixture, client) -> None:
         try:
             client.CreateSandbox(pb.CreateSandboxRequest(sandbox=wanted), timeout=180)
         except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
             with lock:
-                refused.append(exc.details())
+                refused.append(f"{exc.code().name}: {exc.details()}")
             return
         with lock:
             made.append(wanted.id)
@@ -265,17 +265,20 @@ def test_a_burst_of_creates_never_double_allocates(fx: Fixture, client) -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    assert len(made) + len(refused) == len(sizes)
-    holders: dict[str, set[str]] = {}
-    for name in HOSTS:
-        for gpu in fx.host_info(name)["gpus"]:
-            if gpu["holder"]:
-                holders.setdefault(f"{name}/{gpu['bdf']}", set()).add(gpu["holder"])
-    assert all(len(held) == 1 for held in holders.values())
-    assert set(listed(client)) == set(made)
-    assert quiet(fx) == {name: {} for name in HOSTS}
-    for sandbox_id in made:
-        client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=sandbox_id), timeout=60)
+    try:
+        assert len(made) + len(refused) == len(sizes)
+        assert all(why.startswith("RESOURCE_EXHAUSTED: ") for why in refused), refused
+        holders: dict[str, set[str]] = {}
+        for name in HOSTS:
+            for gpu in fx.host_info(name)["gpus"]:
+                if gpu["holder"]:
+                    holders.setdefault(f"{name}/{gpu['bdf']}", set()).add(gpu["holder"])
+        assert all(len(held) == 1 for held in holders.values())
+        assert set(listed(client)) == set(made)
+        assert quiet(fx) == {name: {} for name in HOSTS}
+    finally:
+        for sandbox_id in listed(client):
+            client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=sandbox_id), timeout=60)
     assert listed(client) == {}
     assert quiet(fx) == {name: {} for name in HOSTS}
 
@@ -314,9 +317,9 @@ def test_capacity_taken_outside_the_fleet_is_pinned(fx: Fixture) -> None:
             # one GPU taken: 7 single GPUs left and no room for all eight
             assert view.ray_free[model.GPU] == 7.0
             assert view.ray_free[model.GPUS + "8"] == 0.0
-            with pytest.raises(Exception) as caught:
-                fx.fleet.create_sandbox(image="tiny", memory_mib=256, gpus=8, model_name="H100")
-            assert "RESOURCE_EXHAUSTED" in getattr(caught.value, "code", "")
+            whole, placed = fx.fleet.create_sandbox(image="tiny", memory_mib=256, gpus=8)
+            assert placed.host in ("hgx-a", "hgx-b")  # a shared board's partition of eight
+            fx.fleet.delete(whole)
         finally:
             host.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_name="t-fl-local"), timeout=60)
     assert quiet(fx)["hgx-full"] == {}

@@ -39,9 +39,10 @@ OBJECT_STORE_BYTES = 100 * 2**20  # the agent moves small messages only
 _STOP_GRACE = 30.0  # seconds the Ray node gets to stop
 
 
-def read_host(socket_path: str, timeout: float = 30.0) -> dict:
-    """The host's HostInfo document, read from its driver socket."""
-    deadline = time.monotonic() + timeout
+def read_host(socket_path: str, timeout: float = 30.0, *, wait: bool = True) -> dict:
+    """The host's HostInfo document, read from its driver socket (``wait``: for up to
+    ``timeout`` seconds while the driver does not answer yet)."""
+    deadline = time.monotonic() + (timeout if wait else 0.0)
     with grpc.insecure_channel(f"unix:{socket_path}") as channel:
         stub = info_grpc.HostInfoStub(channel)
         while True:
@@ -117,11 +118,11 @@ def join(
     info = read_host(socket_path)
     totals = model.host_totals(name, info)
     labels = model.host_labels(name, info)
-    if stop is None:
+    ray.init(address=address, namespace=model.NAMESPACE, logging_level="warning")
+    if stop is None:  # after Ray's start, which sets handlers of its own
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
-    ray.init(address=address, namespace=model.NAMESPACE, logging_level="warning")
     try:
         if name in live_nodes():
             raise AlreadyExists(

@@ -34,7 +34,10 @@ from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.request import DEFAULT_IMAGE, gives_guest_nothing
 
 ATTEMPTS = 4  # hosts tried for one create
-POOL_WAIT = 0.5  # seconds a claim among pool hosts may wait before the fleet looks wider
+# Seconds a claim among the hosts with a ready pooled guest may wait before the fleet looks
+# wider. Those hosts had room in Ray's view a moment ago, so the wait is rarely in vain; Ray
+# places a claim in milliseconds, but at times takes a second or more.
+POOL_WAIT = 2.0
 _RETRY_ON = ("RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 ERRORS = {
     cls.code: cls
@@ -123,11 +126,14 @@ def plan(wish: Wish, ready: list[HostView], timeout: float) -> list[Step]:
     for chosen in models:
         bundle = wish.bundle(chosen)
         for resource in wish.pool_resources(_shapes(ready)):
+            pooled = {**bundle, resource: 1.0}
             pool_hosts = tuple(
-                view.name for view in ready if view.ray_free.get(resource, 0.0) >= 1.0
+                view.name
+                for view in ready
+                if all(view.ray_free.get(key, 0.0) >= amount for key, amount in pooled.items())
             )
             if pool_hosts:
-                steps.append(Step({**bundle, resource: 1.0}, pool_hosts, POOL_WAIT, True))
+                steps.append(Step(pooled, pool_hosts, POOL_WAIT, True))
         steps.append(Step(bundle, names, timeout))
     return steps
 

@@ -46,12 +46,12 @@ def serve(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
     )
     config = Config.load()
-    if stop is None:
+    metrics = FleetMetrics()
+    fleet = Fleet(address, gateway=gateway, place_timeout=place_timeout, metrics=metrics)
+    if stop is None:  # after Ray's start, which sets handlers of its own
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
-    metrics = FleetMetrics()
-    fleet = Fleet(address, gateway=gateway, place_timeout=place_timeout, metrics=metrics)
     driver = FleetDriver(fleet)
     private = Path(tempfile.mkdtemp(prefix="vmsandbox-fleet-"))
     backend = private / "grpc.sock"
