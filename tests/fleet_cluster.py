@@ -189,6 +189,7 @@ class Cluster:
     def serve(self, socket_path: Path, gateway: str, *extra: str) -> subprocess.Popen[bytes]:
         """``vmsandbox fleet serve`` for ``gateway``, once it answers on its socket."""
         log = self.root / f"serve-{gateway}.log"
+        seen = log.stat().st_size if log.exists() else 0  # a server before this one wrote there
         server = self._spawn(
             [
                 sys.executable, "-m", "vmsandbox.cli", "fleet", "serve",
@@ -199,7 +200,7 @@ class Cluster:
         )  # fmt: skip
         self.servers.append(server)
         deadline = time.monotonic() + START_TIMEOUT
-        while "serving the fleet's compute driver" not in log.read_text():
+        while "serving the fleet's compute driver" not in log.read_text()[seen:]:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"fleet serve did not start: {log.read_text()}")
             time.sleep(0.2)

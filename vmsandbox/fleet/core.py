@@ -216,7 +216,11 @@ class Fleet:
             if view.state == "lost":
                 continue
             answer = self._call(view.name, "sandboxes", self.gateway)
-            if "error" in answer:
+            if "error" in answer:  # no answer this time: what it last said stands
+                with self._lock:
+                    found.update(
+                        {sid: s for sid, s in self._last.items() if s.host == view.name}
+                    )
                 continue
             for data in answer["sandboxes"]:
                 snapshot = pb.DriverSandbox.FromString(data)
