@@ -1,6 +1,9 @@
 # The two commands a newcomer needs: `make demo` and `make test`. Both run the setup first
 # (idempotent: packages, libvirtd, virtualenv, guest images).
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench docs pages
+
+# The documentation's tools live in a virtualenv of their own, pinned by docs/requirements.txt.
+DOCS_VENV ?= .venv-docs
 
 setup:
 	bash setup/setup.sh
@@ -10,16 +13,37 @@ demo: setup
 
 # The test run needs all three images: the NVIDIA one is booted by its own e2e test, and the
 # nested GPU host (tests/test_e2e_nested.py, through setup/nested.sh) by the real-VFIO tests.
+# setup/platforms.sh builds .venv-platforms, the platforms' own released packages that
+# tests/test_compat_platforms.py compares vmsandbox.compat with and tests/test_openshell_sdk.py
+# drives the OpenShell driver with. The docs build comes before the suite: a broken link or a
+# stale reference fails it at once.
 test:
 	VMSANDBOX_IMAGES="minimal nvidia nested" bash setup/setup.sh
-	.venv/bin/ruff check vmsandbox tests bench
-	.venv/bin/ruff format --check vmsandbox tests bench
-	.venv/bin/pytest -p no:cacheprovider -ra tests
+	bash setup/platforms.sh
+	.venv/bin/ruff check vmsandbox tests bench docs setup
+	.venv/bin/ruff format --check vmsandbox tests bench docs setup
+	$(MAKE) docs
+	VMSANDBOX_DOCS_VENV=$(DOCS_VENV) .venv/bin/pytest -p no:cacheprovider -ra tests
 
 lint:
-	.venv/bin/ruff check vmsandbox tests bench
-	.venv/bin/ruff format --check vmsandbox tests bench
+	.venv/bin/ruff check vmsandbox tests bench docs setup
+	.venv/bin/ruff format --check vmsandbox tests bench docs setup
 
 bench:
 	VMSANDBOX_EXTRA_PACKAGES=virtinst bash setup/setup.sh
 	.venv/bin/python bench/run_all.py
+
+# The site, into site/, with warnings as errors; nothing is fetched while it builds.
+docs: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir site
+
+$(DOCS_VENV)/.installed: docs/requirements.txt
+	python3 -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install -q --disable-pip-version-check -r docs/requirements.txt
+	touch $@
+
+# The generated pages, written again from their sources (the tests check they are current):
+# compatibility from vmsandbox/compat/fields/, performance from the reports in docs/results/.
+pages:
+	.venv/bin/python docs/gen_compat.py
+	.venv/bin/python docs/gen_performance.py

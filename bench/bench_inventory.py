@@ -6,15 +6,15 @@ Measures, under umockdev (tests/fixtures/hosts/bench_200.umockdev):
 (b) ``vmsandbox gpus --json`` as a whole process against 300 ms; while that command is missing
     or fails, ``python -m vmsandbox.host`` (same discovery, JSON out) stands in for it.
 
-Prints a table and writes bench/results/inventory.json. Usage:
-``.venv/bin/python bench/bench_inventory.py [--rounds N]``.
+Prints a table and writes inventory.json (with the date, the machine and the command) into
+bench/results/ or ``--out DIR``. Usage:
+``.venv/bin/python bench/bench_inventory.py [--rounds N] [--out DIR]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -26,12 +26,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
+import common  # noqa: E402
 from conftest_host import umockdev_run  # noqa: E402
 
 from vmsandbox.tables import render_grid  # noqa: E402
 
 HOST = "bench_200"
-RESULTS = REPO / "bench" / "results" / "inventory.json"
 DISCOVER_TARGET_MS = 20.0
 PROCESS_TARGET_MS = 300.0
 
@@ -108,7 +108,6 @@ def inner(rounds: int) -> None:
         "process_command": command,
         "process_command_is_cli": is_cli,
         "python": platform.python_version(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "results": results,
     }
     json.dump(report, sys.stdout)
@@ -138,6 +137,9 @@ def table(report: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20, help="timed repetitions (>= 1)")
+    parser.add_argument(
+        "--out", type=Path, default=common.RESULTS, help="folder for the JSON report"
+    )
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rounds < 1:
@@ -145,6 +147,7 @@ def main() -> int:
     if args.inner:
         inner(args.rounds)
         return 0
+    started = time.time()
     with umockdev_run(HOST) as (argv, env):
         run = subprocess.run(
             [*argv, sys.executable, __file__, "--inner", "--rounds", str(args.rounds)],
@@ -156,11 +159,20 @@ def main() -> int:
     if run.returncode != 0:
         print(run.stderr, file=sys.stderr)
         return run.returncode
-    report = json.loads(run.stdout)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    report = {
+        "bench": "inventory",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "seconds": round(time.time() - started, 1),
+        "command": common.command_line(),
+        "commit": common.commit(),
+        "machine": common.machine(),
+        **json.loads(run.stdout),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "inventory.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
-    print(f"written to {RESULTS.relative_to(REPO)}")
+    print(f"written to {path}")
     return 0 if all(result["ok"] for result in report["results"]) else 1
 
 

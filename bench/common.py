@@ -563,6 +563,26 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that ran this benchmark, as a person would type it from the repository root
+    (the script's path relative to it), for the report and the performance page."""
+    script, *rest = list(argv if argv is not None else sys.argv)
+    path = Path(script).resolve()
+    shown = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else script
+    return shlex.join([".venv/bin/python", shown, *rest])
+
+
+def commit() -> str | None:
+    """The commit of the checkout measured (None outside a git checkout)."""
+    done = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def _first_value(path: str, key: str) -> str:
     with contextlib.suppress(OSError):
         for line in Path(path).read_text().splitlines():
@@ -590,6 +610,8 @@ class Report:
             "run": RUN,
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
             "seconds": round(time.time() - self.started, 1),
+            "command": command_line(),
+            "commit": commit(),
             "rounds": self.rounds,
             "warmup": self.warmup,
             "machine": machine(),

@@ -1,7 +1,9 @@
 """Run every benchmark and print one summary: each figure against its target, met or missed.
 
 Each benchmark runs as its own process (its table and progress are shown as it goes) and writes
-bench/results/<name>.json; this script reads them back and writes bench/results/summary.json.
+<name>.json into bench/results/ (or ``--out DIR``); this script reads them back and writes
+summary.json beside them. ``--out docs/results``, then docs/gen_performance.py, puts a run's
+figures on the documentation's performance page.
 ``--quick`` runs one round of each without warm-up: it proves they all work, its figures are
 not worth quoting. Exit status: 0 when every benchmark ran and met its targets, 1 otherwise.
 
@@ -9,7 +11,7 @@ The boot-heavy ones take long under TCG: destroy and create_overhead a minute or
 ssh_ready 1-2 minutes a round, fast_start 2-4 minutes a round (a cold boot and a pool fill),
 parallel_creates 10-15 minutes for its one round.
 
-Usage: .venv/bin/python bench/run_all.py [--quick] [--only NAME ...] [--skip NAME ...]
+Usage: .venv/bin/python bench/run_all.py [--quick] [--only NAME ...] [--skip NAME ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ class Outcome:
         }
 
 
-def run_one(bench: Bench, quick: bool) -> Outcome:
+def run_one(bench: Bench, quick: bool, out: Path) -> Outcome:
     """Run one benchmark to its end (on Ctrl-C: let it clean up first) and read its checks."""
     argv = [sys.executable, str(BENCH / bench.script), *(bench.quick if quick else ())]
+    argv += ["--out", str(out)]
     print(f"\n=== {bench.name}: {' '.join(argv[1:])}", flush=True)
     start = time.time()
     with subprocess.Popen(argv) as proc:
@@ -80,7 +83,7 @@ def run_one(bench: Bench, quick: bool) -> Outcome:
             common.reap(proc)
             raise
     outcome = Outcome(bench.name, code, time.time() - start)
-    result = common.RESULTS / bench.result
+    result = out / bench.result
     if not result.exists() or result.stat().st_mtime < start:
         outcome.error = f"no fresh {result.name} (exit {code})"
         return outcome
@@ -131,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one round each, no warm-up")
     parser.add_argument("--only", nargs="+", choices=NAMES, metavar="NAME", help=", ".join(NAMES))
     parser.add_argument("--skip", nargs="+", choices=NAMES, default=[], metavar="NAME")
+    parser.add_argument(
+        "--out", type=Path, default=common.RESULTS, help="folder for the JSON reports"
+    )
     args = parser.parse_args(argv)
     chosen = [
         b for b in BENCHES if (not args.only or b.name in args.only) and b.name not in args.skip
@@ -139,15 +145,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     try:
         for bench in chosen:
-            outcomes.append(run_one(bench, args.quick))
+            outcomes.append(run_one(bench, args.quick, args.out))
     except KeyboardInterrupt:
         print("\ninterrupted: summary of the benchmarks that finished", file=sys.stderr)
     text = summary(outcomes, args.quick)
-    path: Path = common.RESULTS / "summary.json"
+    path: Path = args.out / "summary.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "quick": args.quick,
+        "command": common.command_line(),
+        "commit": common.commit(),
         "machine": common.machine(),
         "benches": [outcome.to_dict() for outcome in outcomes],
     }

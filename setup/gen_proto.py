@@ -12,6 +12,8 @@ from importlib import resources
 from pathlib import Path
 
 PROTOS = (
+    "vmsandbox/openshell/proto/extension.proto",
+    "vmsandbox/openshell/proto/sandbox.proto",
     "vmsandbox/openshell/proto/compute_driver.proto",
     "vmsandbox/openshell/proto/host_info.proto",
 )

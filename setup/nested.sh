@@ -36,11 +36,9 @@ BOOT_TIMEOUT="${VMSANDBOX_NESTED_BOOT_TIMEOUT:-900}"
 # SeaBIOS (gpu_firmware "auto", passthrough.choose_firmware) and OVMF never runs in L2.
 QEMU=/usr/bin/qemu-system-x86_64
 # L1's CPU: an EPYC with SVM and nested paging (TCG drops the features it lacks, with warnings
-# in qemu.log). KVM inside TCG is unreliable either way (README, "The nested GPU host"): L2 boots
-# crawl now and then and L1's kernel can overflow a vCPU thread's stack in its exception entry
-# and panic. With `-cpu max` loops here crawled at the second create in one L1 (`max,-vgif` too);
-# with EPYC 11 creates in a row in two loops took 42-50 s each, but a later module run lost 2 of
-# its 8 EPYC L1s (a crawl, panics). Not fixed, perhaps rarer; the tests retry in a fresh L1.
+# in qemu.log). KVM inside TCG is unreliable (docs/nested-gpu-host.md): an L2 boot crawls now
+# and then and L1's kernel can overflow a vCPU thread's stack in its exception entry and panic;
+# the tests watch L1 and run a step again in a pristine L1 (tests/nested_host.py).
 L1_CPU="${VMSANDBOX_NESTED_CPU:-EPYC}"
 TCG_THREAD="${VMSANDBOX_NESTED_TCG_THREAD:-multi}"
 # The two cards: an RV100 (Radeon 7000, 1002:5159, which radeon drives) and a Rage 128 Pro
@@ -53,11 +51,20 @@ die() { say "$*"; exit 1; }
 
 running() { [ -f "$STATE/qemu.pid" ] && kill -0 "$(cat "$STATE/qemu.pid")" 2>/dev/null; }
 
+# Commands share one SSH connection to L1 (a handshake under TCG costs a second or two). Its
+# master is started apart, with no file of the caller's open (a caller reading our output to its
+# end would wait for the master otherwise), and ends with L1 or after a minute unused.
 ssh_l1() {
-  ssh -q -T -p "$(cat "$STATE/port")" -i "$STATE/id_ed25519" \
-    -o UserKnownHostsFile="$STATE/known_hosts" -o StrictHostKeyChecking=yes \
-    -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4 \
-    -o LogLevel=ERROR root@127.0.0.1 "$@"
+  local opts=(
+    -q -p "$(cat "$STATE/port")" -i "$STATE/id_ed25519"
+    -o UserKnownHostsFile="$STATE/known_hosts" -o StrictHostKeyChecking=yes
+    -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4
+    -o ControlPath="$STATE/ssh-mux" -o LogLevel=ERROR
+  )
+  [ -S "$STATE/ssh-mux" ] || flock "$STATE/ssh-mux.lock" sh -c '[ -S "$0" ] || exec "$@"' \
+    "$STATE/ssh-mux" ssh "${opts[@]}" -o ControlMaster=yes -o ControlPersist=60 -fN \
+    root@127.0.0.1 </dev/null >/dev/null 2>&1 || true
+  ssh "${opts[@]}" -o ControlMaster=no -T root@127.0.0.1 "$@"
 }
 
 # Absolute build folder of image $1 in the host's image store (the current build).
@@ -154,6 +161,8 @@ kill_l1() {
   pid=$(cat "$STATE/qemu.pid")
   kill -9 "$pid" 2>/dev/null || true  # nothing of a thrown-away L1 is kept
   for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+  ssh -q -o ControlPath="$STATE/ssh-mux" -O exit root@127.0.0.1 2>/dev/null || true
+  rm -f "$STATE/ssh-mux" "$STATE/ssh-mux.lock"
 }
 
 boot() {
@@ -251,7 +260,7 @@ cmd_exec() {
   local rc=0
   ssh_l1 "export PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin; $quoted" || rc=$?
   if [ "$rc" = 255 ] && grep -a -q "Kernel panic" "$STATE/console.log"; then
-    # ssh itself failed and L1's kernel panicked (KVM inside TCG; see the README): its last
+    # ssh itself failed and L1's kernel panicked (KVM inside TCG; docs/nested-gpu-host.md): its last
     # console lines hold the trace.
     tail -n 60 "$STATE/console.log" | sed 's/^/[nested] L1: /' >&2
   fi

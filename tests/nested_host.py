@@ -52,8 +52,11 @@ L2_STALL = 120.0  # an L2 whose boot stage has not moved for this long crawls (h
 L2_CRAWL = 360.0  # and one still without SSH after this long (healthy: 45-70 s here)
 L1_TRIES = 3  # L1s one step may use
 BUDGET = float(os.environ.get("VMSANDBOX_NESTED_BUDGET", 15 * 60))  # the module's, retries included
+START_LIMIT = 3600.0  # one start of L1, a cold boot on a loaded machine included
 POLL = 0.5
 # vmsandbox's progress line while it waits for a guest: seconds waited and the guest's stage
+# What setup/nested.sh says for each way it starts an L1 (else it booted one cold).
+BOOTS = (("from the snapshot", "restored"), ("reusing the running L1", "reused"))
 WAITING = re.compile(rb"waiting for SSH \((\d+)s, guest: ([^)]*)\)")
 
 
@@ -70,13 +73,15 @@ class L1Life:
     """One L1: how it started, what ran in it, how it ended."""
 
     number: int
-    how: str  # "cold boot" or "restored"
+    how: str  # "cold boot", "restored" or "reused"
     start_s: float
     steps: list[str] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # each step's time, once it ended
     lost: str | None = None
 
     def describe(self) -> str:
-        steps = ", ".join(self.steps) or "no step"
+        took = zip(self.steps, self.seconds, strict=False)
+        steps = ", ".join(f"{step} {secs:.0f} s" for step, secs in took) or "no step"
         end = f"LOST: {self.lost}" if self.lost else "healthy"
         return f"L1 #{self.number} ({self.how}, ready in {self.start_s:.0f} s; {steps}): {end}"
 
@@ -228,13 +233,13 @@ class NestedHost:
                 capture_output=True,
                 text=True,
                 env=self.env,
-                timeout=left,
+                timeout=min(left, START_LIMIT),
                 check=False,
             )
         except subprocess.TimeoutExpired:
             self.kill()
             raise BudgetExhausted(f"nested.sh {command} ran into the budget") from None
-        how = "restored" if "from the snapshot" in done.stderr else "cold boot"
+        how = next((how for said, how in BOOTS if said in done.stderr), "cold boot")
         life = L1Life(len(self.lives) + 1, how, time.monotonic() - began)
         self.lives.append(life)
         if done.returncode != 0:
@@ -348,9 +353,14 @@ class NestedHost:
             try:
                 if self.used or not self.lives or self.lives[-1].lost:
                     self.boot("restart" if self.lives else "start")
-                self.lives[-1].steps.append(name)
+                life = self.lives[-1]
+                life.steps.append(name)
                 self.used = self.used or spoils_l1
-                return step()
+                began = time.monotonic()
+                try:
+                    return step()
+                finally:
+                    life.seconds.append(time.monotonic() - began)
             except L1Lost as lost:
                 if not tries_left:
                     raise AssertionError(

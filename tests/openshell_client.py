@@ -1,8 +1,9 @@
 """Test helpers for the OpenShell driver: a served ``vmsandbox serve`` process, the driver served
-in this process over a fake hypervisor, a client built from the project's proto, the checks a
-gateway makes of the capabilities, a watch-stream reader, and a port of the gateway's phase
-derivation (NVIDIA/OpenShell crates/openshell-server/src/compute/mod.rs, ``derive_phase``, at
-2f7fb65)."""
+in this process over a fake hypervisor, a client built from the project's proto and one built
+from the upstream v0.1.2 descriptors (tests/fixtures/openshell), the metadata a v0.1 gateway
+sends and the checks it makes of the capabilities, a watch-stream reader, and a port of the
+gateway's phase derivation (NVIDIA/OpenShell crates/openshell-server/src/compute/mod.rs,
+``derive_phase``)."""
 
 from __future__ import annotations
 
@@ -19,16 +20,42 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 from fake_hypervisor import FakeHypervisor
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+import vmsandbox
 from vmsandbox.config import Config
 from vmsandbox.openshell.events import DomainEvent
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
+from vmsandbox.openshell.proto import extension_pb2 as ext
 from vmsandbox.openshell.service import ComputeDriver
 from vmsandbox.sandbox.manager import SandboxManager
+
+UPSTREAM_SET = Path(__file__).resolve().parent / "fixtures" / "openshell" / "upstream-v0.1.2.binpb"
+CONTRACT = "openshell.compute.contract"
+# What a v0.1 gateway sends in GetCapabilitiesRequest.gateway (its gateway_metadata()).
+GATEWAY = ext.PeerMetadata(
+    protocol_version=ext.ProtocolVersion(major=1, minor=0),
+    implementation_name="openshell/gateway",
+    implementation_version="0.1.2",
+    supported_capabilities=[CONTRACT],
+    required_capabilities=[CONTRACT],
+)
+# The policy a gateway configured with no [openshell.drivers.vmsandbox] settings expects.
+DEFAULT_ADMISSION = (
+    'v1:{"allow_driver_config":false,"resource_admission":{"enabled":true,'
+    '"required_labels":{"openshell.ai/sandbox-attachable":"true",'
+    '"openshell.ai/sandbox-attachable-workspace":"${workspace}"}}}'
+)
+
+
+def capabilities_request() -> pb.GetCapabilitiesRequest:
+    return pb.GetCapabilitiesRequest(gateway=GATEWAY)
+
 
 _TRANSIENT = {
     "reconcilererror",
@@ -61,13 +88,25 @@ def phase(sandbox: pb.DriverSandbox) -> str:
     return "Provisioning"
 
 
-def check_capabilities(caps: pb.GetCapabilitiesResponse, *, supervised: bool) -> None:
-    """What a gateway reads from GetCapabilities, as vmsandbox must answer it."""
+def check_capabilities(
+    caps: pb.GetCapabilitiesResponse, *, supervised: bool, admission: str = DEFAULT_ADMISSION
+) -> None:
+    """What a v0.1 gateway reads from GetCapabilities, as vmsandbox must answer it."""
     assert (caps.driver_name, caps.default_image, caps.gateway_manages_lifecycle) == (
         "vmsandbox",
         "minimal",
         False,
     )
+    extension = caps.extension
+    assert (extension.protocol_version.major, extension.protocol_version.minor) == (1, 0)
+    assert (extension.implementation_name, extension.implementation_version) == (
+        "vmsandbox",
+        vmsandbox.__version__,
+    )
+    assert list(extension.supported_capabilities) == [CONTRACT]
+    assert list(extension.required_capabilities) == [CONTRACT]
+    assert caps.resource_admission_policy == admission
+    assert (caps.rootfs_tar_staging_dir, caps.rootfs_tar_max_bytes) == ("", 0)
     assert caps.supports_sandbox_authentication is True
     # with a supervisor the gateway also waits for its callback; without one vmsandbox decides
     assert caps.driver_reports_runtime_readiness is (not supervised)
@@ -123,7 +162,7 @@ def _wait_answering(socket_path: Path, process: subprocess.Popen[str], log: Path
         if socket_path.exists():
             channel, client = stub(socket_path)
             with channel, contextlib.suppress(grpc.RpcError):
-                client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=10)
+                client.GetCapabilities(capabilities_request(), timeout=10)
                 return
         time.sleep(0.2)
 
@@ -138,6 +177,9 @@ class Unwatched:
 
     def unsubscribe(self, events: queue.Queue[DomainEvent]) -> None:
         """Nothing to drop."""
+
+    def changed(self, name: str) -> None:
+        """Nobody to tell."""
 
 
 @contextlib.contextmanager
@@ -161,6 +203,43 @@ def in_process(config: Config, hypervisor: FakeHypervisor) -> Iterator[Path]:
         server.stop(None).wait()
         driver.close()
         shutil.rmtree(folder)
+
+
+def upstream_pool() -> descriptor_pool.DescriptorPool:
+    """A descriptor pool holding the upstream v0.1.2 files (UPSTREAM_SET) and nothing else."""
+    files = descriptor_pb2.FileDescriptorSet.FromString(UPSTREAM_SET.read_bytes())
+    pool = descriptor_pool.DescriptorPool()
+    for file in files.file:
+        pool.Add(file)
+    return pool
+
+
+class UpstreamClient:
+    """A ComputeDriver client whose messages are classes built from the upstream v0.1.2
+    descriptors, not from vmsandbox's protos: what a v0.1 gateway's own stubs send and read."""
+
+    SERVICE = "openshell.compute.v1.ComputeDriver"
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.pool = upstream_pool()
+        self.channel = channel
+        self._service = self.pool.FindServiceByName(self.SERVICE)
+
+    def message(self, kind: str, /, **fields: Any) -> Any:
+        """A new upstream message ``openshell.compute.v1.NAME`` (or a full name)."""
+        full = kind if "." in kind else f"openshell.compute.v1.{kind}"
+        return message_factory.GetMessageClass(self.pool.FindMessageTypeByName(full))(**fields)
+
+    def call(self, method: str, request: Any, timeout: float = 60) -> Any:
+        """One unary RPC with upstream request and response classes."""
+        descriptor = self._service.FindMethodByName(method)
+        response = message_factory.GetMessageClass(descriptor.output_type)
+        stub = self.channel.unary_unary(
+            f"/{self.SERVICE}/{method}",
+            request_serializer=lambda message: message.SerializeToString(),
+            response_deserializer=response.FromString,
+        )
+        return stub(request, timeout=timeout)
 
 
 class Watch:

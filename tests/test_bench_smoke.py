@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_host import umockdev_run
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
@@ -66,6 +65,9 @@ def test_cli_startup_compares_both_commands_with_virsh(tmp_path: Path) -> None:
         assert comparison["b"]["label"].startswith("virsh")
     assert [c["target"] for c in report["checks"]] == ["<= 150 ms", "<= 250 ms"]
     assert report["machine"]["cpus"] >= 1
+    assert report["command"] == (
+        f".venv/bin/python bench/cli_startup.py --rounds 1 --warmup 0 --out {tmp_path}"
+    )
 
 
 @pytest.mark.libvirt
@@ -97,21 +99,28 @@ def test_overlapping_holds_of_one_gpu_are_double_allocations() -> None:
     assert most_held(holds) == 3
 
 
-def test_inventory_bench_measures_on_the_fake_host() -> None:
-    """bench_inventory.py's measuring half (its main would overwrite bench/results)."""
-    with umockdev_run("bench_200") as (argv, env):
-        done = subprocess.run(
-            [*argv, sys.executable, str(BENCH / "bench_inventory.py"), "--inner", "--rounds", "1"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-            check=False,
-        )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+def test_inventory_bench_measures_on_the_fake_host(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "bench_inventory.py"),
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    # 1: a target missed on a busy machine; the report is written either way
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    report = json.loads((tmp_path / "inventory.json").read_text())
     assert report["gpus"] == 8
     assert [len(result["samples_ms"]) for result in report["results"]] == [1, 1, 1]
+    assert report["command"].endswith(f"bench/bench_inventory.py --rounds 1 --out {tmp_path}")
+    assert report["machine"]["cpus"] >= 1 and report["when"].endswith("Z")
 
 
 @pytest.mark.e2e

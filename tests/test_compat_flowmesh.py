@@ -34,6 +34,7 @@ MODEL = "src/shared/tasks/components/resources.py GPURequirements"
         (RESOLVE, {"memory": 0.0}, GpuRequest(all=True)),
         (RESOLVE, {"count": 0}, None),
         (RESOLVE, {"count": 0, "type": "H100", "memory": "80G"}, None),
+        (RESOLVE, {"count": 0, "memory": "1.5Gi"}, None),  # the worker reads no further
         (USES_GPU, {"count": 1}, GpuRequest(count=1)),
         (RESOLVE, {"count": 3}, GpuRequest(count=3)),
         (RESOLVE, {"type": "H100"}, GpuRequest(model="H100")),

@@ -1,8 +1,9 @@
 """OpenSandbox resourceLimits -> GpuRequest.
 
-Each row names the alibaba/OpenSandbox file (at commit 4db3a993, under
-server/opensandbox_server/services/) its rule comes from, or "vmsandbox" where vmsandbox
-deliberately differs (see vmsandbox/compat/opensandbox.py).
+Each row names the file of the released opensandbox-server 1.1.1 (under
+opensandbox_server/services/, or the request model in api/schema.py) its rule comes from, or
+"vmsandbox" where vmsandbox deliberately differs (see vmsandbox/compat/opensandbox.py).
+tests/test_compat_platforms.py runs the same kind of maps through the released package itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from vmsandbox.gpu.request import GpuRequest
 GPU, NV, AMD = '["gpu"]', '["nvidia.com/gpu"]', '["amd.com/gpu"]'
 PARSE = "helpers.py parse_gpu_request"
 K8S = "k8s/provider_common.py _translate_resource_limits_for_k8s"
-DOCKER = "docker/container_ops.py DeviceRequest"
+DOCKER = "docker/container_ops.py _resolve_resource_limits"
+MODEL = "CreateSandboxRequest: Dict[str, str]"
 NVIDIA, AMD_VENDOR = "nvidia", "amd"
 
 
@@ -26,8 +28,6 @@ NVIDIA, AMD_VENDOR = "nvidia", "amd"
         (PARSE, None, None),
         (PARSE, {}, None),
         (K8S, {"cpu": "2", "memory": "4Gi"}, None),
-        (PARSE, {"gpu": ""}, None),
-        ("vmsandbox: null is not given", {"gpu": None}, None),
         (K8S, {"gpu": "1"}, GpuRequest(count=1, vendor=NVIDIA)),
         (K8S, {"gpu": "4"}, GpuRequest(count=4, vendor=NVIDIA)),
         (PARSE, {"gpu": " 2 "}, GpuRequest(count=2, vendor=NVIDIA)),
@@ -42,7 +42,6 @@ NVIDIA, AMD_VENDOR = "nvidia", "amd"
         (K8S, {"amd.com/gpu": "1"}, GpuRequest(count=1, vendor=AMD_VENDOR)),
         (K8S, {"amd.com/gpu": " 3", "cpu": "8"}, GpuRequest(count=3, vendor=AMD_VENDOR)),
         (K8S, {"gpu": "2", "nvidia.com/gpu": "2"}, GpuRequest(count=2, vendor=NVIDIA)),
-        (K8S, {"cpu": 2, "gpu": "1"}, GpuRequest(count=1, vendor=NVIDIA)),  # not ours
     ],
 )
 def test_accepted(source: str, limits: dict | None, expected: GpuRequest | None) -> None:
@@ -52,7 +51,11 @@ def test_accepted(source: str, limits: dict | None, expected: GpuRequest | None)
 @pytest.mark.parametrize(
     ("source", "limits", "field", "says"),
     [
-        (PARSE, {"gpu": "0"}, GPU, "without a GPU"),
+        (DOCKER, {"gpu": ""}, GPU, "answers 400"),
+        (DOCKER, {"gpu": "", "nvidia.com/gpu": "2"}, GPU, "answers 400"),
+        (MODEL, {"gpu": None}, GPU, "must be a string"),
+        (MODEL, {"cpu": 2, "gpu": "1"}, '["cpu"]', "answers 422"),
+        (DOCKER, {"gpu": "0"}, GPU, "answers 400"),
         (PARSE, {"gpu": "00"}, GPU, "greater than 0"),
         (PARSE, {"gpu": "-1"}, GPU, "greater than 0"),
         (PARSE, {"gpu": "1.5"}, GPU, "greater than 0"),
@@ -61,15 +64,15 @@ def test_accepted(source: str, limits: dict | None, expected: GpuRequest | None)
         (PARSE, {"gpu": "1e3"}, GPU, "greater than 0"),
         (PARSE, {"gpu": "all gpus"}, GPU, "greater than 0"),
         (PARSE, {"gpu": "9" * 5000}, GPU, "greater than 0"),  # past int()'s digit limit
-        ("CreateSandboxRequest: Dict[str, str]", {"gpu": 1}, GPU, "greater than 0"),
-        ("CreateSandboxRequest: Dict[str, str]", {"gpu": True}, GPU, "greater than 0"),
-        ("CreateSandboxRequest: Dict[str, str]", {"gpu": ["1"]}, GPU, "greater than 0"),
+        (MODEL, {"gpu": 1}, GPU, "must be a string"),
+        (MODEL, {"gpu": True}, GPU, "must be a string"),
+        (MODEL, {"gpu": ["1"]}, GPU, "must be a string"),
         (K8S, {"nvidia.com/gpu": "all"}, NV, "extended resource"),
         (K8S, {"amd.com/gpu": "ALL"}, AMD, "extended resource"),
         ("vmsandbox: a whole number", {"nvidia.com/gpu": "0"}, NV, "greater than 0"),
         ("vmsandbox: a whole number", {"nvidia.com/gpu": "+2"}, NV, "greater than 0"),
-        ("vmsandbox: a whole number", {"nvidia.com/gpu": 2}, NV, "greater than 0"),
-        (K8S, {"gpu": "1", "nvidia.com/gpu": "2"}, GPU, "overwrite"),
+        (MODEL, {"nvidia.com/gpu": 2}, NV, "must be a string"),
+        (K8S, {"gpu": "1", "nvidia.com/gpu": "2"}, GPU, "writes it over"),
         (K8S, {"gpu": "all", "nvidia.com/gpu": "2"}, GPU, "disagrees"),
         (K8S, {"gpu": "3", "amd.com/gpu": "3"}, GPU, "means NVIDIA GPUs"),
         (K8S, {"nvidia.com/gpu": "1", "amd.com/gpu": "1"}, AMD, "one vendor"),

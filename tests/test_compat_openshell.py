@@ -1,8 +1,10 @@
 """OpenShell sandbox spec -> GpuRequest.
 
 Each row names the NVIDIA/OpenShell file (main at commit 2f7fb655, or the spec before
-1dc59853 for the legacy fields) its rule comes from, or "vmsandbox" where vmsandbox
-deliberately differs (see vmsandbox/compat/openshell.py).
+1dc59853 for the legacy fields) its rule comes from, JSON for google.protobuf.json_format (what
+the released openshell package parses a spec with), or "vmsandbox" where vmsandbox deliberately
+differs (see vmsandbox/compat/openshell.py). tests/test_compat_platforms.py runs the same
+kind of specs through the released package itself.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from vmsandbox.gpu.request import GpuRequest
 A, B = "0000:41:00.0", "0000:c1:00.0"
 UUID = "GPU-0a1b2c3d-4e5f-6789-abcd-ef0123456789"
 PROTO = "proto/openshell.proto"
+JSON = "google.protobuf.json_format"
 GPU_RS = "crates/openshell-core/src/gpu.rs"
 VM_DRIVER = "crates/openshell-driver-vm/src/driver.rs"
 STRUCT = "crates/openshell-core/src/proto_struct.rs"
@@ -49,12 +52,31 @@ def vm(ids: object, **extra: object) -> dict:
         (LEGACY, {"gpu": None}, None),
         (LEGACY, {"gpu": False, "gpu_device": ""}, None),
         (SELECT, {"template": {"driver_config": {"vm": {}}}}, None),
-        (SELECT, {"template": {"driver_config": {"vm": None, "docker": {"x": 1}}}}, None),
+        (SELECT, {"template": {"driver_config": {"docker": {"x": 1}}}}, None),
         (SELECT, {"template": {"image": "x", "driver_config": None}}, None),
         (GPU_RS, rr(), GpuRequest()),
         (GPU_RS, rr(count=None), GpuRequest()),
         (GPU_RS, rr(count=1), GpuRequest(count=1)),
         (PROTO, rr(count="2"), GpuRequest(count=2)),  # proto3 JSON: uint32 as a string
+        (JSON, rr(count=2.0), GpuRequest(count=2)),
+        (JSON, rr(count=1e2), GpuRequest(count=100)),
+        (JSON, rr(count="1e2"), GpuRequest(count=100)),
+        (JSON, rr(count="2.0"), GpuRequest(count=2)),
+        (JSON, {"resourceRequirements": {"gpu": {"count": 2}}}, GpuRequest(count=2)),
+        (
+            JSON,
+            {"resource_requirements": {"gpu": {"count": 2}}, "resourceRequirements": {}},
+            GpuRequest(count=2),
+        ),
+        (JSON, {"resourceRequirements": {"gpu": {}}, **vm([A])}, GpuRequest(devices=(A,))),
+        (
+            JSON,
+            {**rr(), "template": {"driverConfig": {"vm": {"gpu_device_ids": [A]}}}},
+            GpuRequest(devices=(A,)),
+        ),
+        (JSON, {"resource_requirements": []}, None),  # json_format: an empty message
+        (JSON, [], None),
+        (JSON, {"log_level": "info", "tty": True, "command": ["sh"]}, None),
         ("vmsandbox: more than one GPU", rr(count=4), GpuRequest(count=4)),
         (VM_DRIVER, {**rr(), **vm([A])}, GpuRequest(devices=(A,))),
         (VM_DRIVER, {**rr(count=1), **vm(["41:00.0"])}, GpuRequest(count=1, devices=(A,))),
@@ -82,17 +104,32 @@ def test_accepted(source: str, spec: dict, expected: GpuRequest | None) -> None:
     ("source", "spec", "field", "says"),
     [
         (GPU_RS, rr(count=0), COUNT, "gpu count must be greater than 0"),
-        (PROTO, rr(count=-1), COUNT, "greater than 0"),
+        (PROTO, rr(count=-1), COUNT, "uint32"),
         (PROTO, rr(count=2**32), COUNT, "uint32"),
         (PROTO, rr(count=1.5), COUNT, "whole number"),
-        ("vmsandbox", rr(count=2.0), COUNT, "whole number"),
-        (PROTO, rr(count=" 2"), COUNT, "whole number"),
+        (JSON, rr(count=" 2"), COUNT, "whole number"),
+        (JSON, rr(count="2.5"), COUNT, "whole number"),
+        (JSON, rr(count=float("inf")), COUNT, "whole number"),
         (PROTO, rr(count=True), COUNT, "whole number"),
         (PROTO, rr(device_ids=[A]), "resource_requirements.gpu.device_ids", IDS),
         (PROTO, rr(cont=1), "resource_requirements.gpu", "unknown key"),
+        (
+            JSON,
+            {"resource_requirements": {"gpus": {"count": 2}}},
+            "resource_requirements",
+            "'gpus'",
+        ),
+        (
+            JSON,
+            {"resource_requirements": {"gpus": {}, "gpu": {}}},
+            "resource_requirements",
+            "unknown key",
+        ),
+        (JSON, {"resource_requirement": {"gpu": {}}}, "spec", "unknown key"),
+        (JSON, {"template": {"driverconfig": {}}}, "template", "driver_config (driverConfig)"),
+        (JSON, {"resource_requirements": ["gpu"]}, "resource_requirements", "object"),
         (PROTO, {"resource_requirements": {"gpu": True}}, "resource_requirements.gpu", "object"),
         (PROTO, {"resource_requirements": {"gpu": 1}}, "resource_requirements.gpu", "object"),
-        (PROTO, {"resource_requirements": []}, "resource_requirements", "object"),
         (PROTO, {"driver_config": {"vm": {"gpu_device_ids": [A]}}}, "driver_config", "template"),
         (GPU_RS, vm([A]), IDS, "requires a gpu request"),
         (GPU_RS, {"gpu": False, **vm([A])}, IDS, "requires a gpu request"),
@@ -101,9 +138,11 @@ def test_accepted(source: str, spec: dict, expected: GpuRequest | None) -> None:
         (GPU_RS, {**rr(count=3), **vm([A, B])}, COUNT, "must match"),
         (STRUCT, {**rr(), **vm([])}, IDS, "non-empty list"),
         (STRUCT, {**rr(), **vm(A)}, IDS, "non-empty list"),
-        (STRUCT, {**rr(), **vm([""])}, IDS, "not a device id"),
-        (STRUCT, {**rr(), **vm([" "])}, IDS, "not a device id"),
-        (STRUCT, {**rr(), **vm([None])}, IDS, "not a device id"),
+        (STRUCT, {**rr(), **vm([""])}, IDS, "must be a non-empty string"),
+        (STRUCT, {**rr(), **vm([" "])}, IDS, "must be a non-empty string"),
+        (STRUCT, {**rr(), **vm([None])}, IDS, "list of device id strings"),
+        (STRUCT, {**rr(), **vm(None)}, IDS, "non-empty list"),
+        (SELECT, {**rr(), "template": {"driver_config": {"vm": None}}}, VM, "must be an object"),
         (GPU_RS, {**rr(count=2), **vm([A, A])}, IDS, "duplicate device ID"),
         ("vmsandbox: one GPU named twice", {**rr(count=2), **vm([A, "41:00.0"])}, IDS, "twice"),
         ("vmsandbox: ids it can resolve", {**rr(), **vm(["gpu0"])}, IDS, "not a device id"),
@@ -120,7 +159,8 @@ def test_accepted(source: str, spec: dict, expected: GpuRequest | None) -> None:
         (LEGACY, {"gpu": "true"}, "gpu", "true or false"),
         (LEGACY, {"gpu": 1}, "gpu", "true or false"),
         (PROTO, None, "spec", "object"),
-        (PROTO, [], "spec", "object"),
+        (PROTO, 7, "spec", "object"),
+        (PROTO, {"gpu": {}}, "gpu", "true or false"),
     ],
 )
 def test_rejected(source: str, spec: object, field: str, says: str) -> None:

@@ -1,7 +1,9 @@
 """Tako job type GPU settings -> GpuRequest.
 
-Each row names the outerport/TakoVM file (at commit 3d240242) its rule comes from, or
+Each row names the file of the released tako-vm 0.3.0 its rule comes from (CONFIG and
+FROM_DICT are Tako's two readers of a job type; vmsandbox takes what both read alike), or
 "vmsandbox" where vmsandbox deliberately differs (see vmsandbox/compat/tako.py).
+tests/test_compat_platforms.py runs the same kind of blocks through the released package.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ FROM_DICT = "tako_vm/job_types.py JobType.from_dict"
         (FROM_DICT, None, None),
         (CONFIG, {}, None),
         (CONFIG, {"enabled": False}, None),
-        ("vmsandbox: null is not given", {"enabled": None}, None),
+        (FROM_DICT, {"enabled": 1, "vendor": "nvidia"}, GpuRequest(all=True, vendor="nvidia")),
+        (CONFIG, {"enabled": "Yes", "vendor": "nvidia"}, GpuRequest(all=True, vendor="nvidia")),
+        (CONFIG, {**ON, "count": "2"}, GpuRequest(count=2, vendor="nvidia")),
+        (CONFIG, {**ON, "count": " 2.0 "}, GpuRequest(count=2, vendor="nvidia")),
+        (CONFIG, {**ON, "count": 2.0}, GpuRequest(count=2, vendor="nvidia")),
+        (CONFIG, {**ON, "count": True}, GpuRequest(count=1, vendor="nvidia")),
         (SHIPPED_JSON, SHIPPED, None),
         (CONFIG, {"enabled": False, "device_ids": []}, None),
         (CONFIG, ON, GpuRequest(all=True, vendor="nvidia")),
@@ -76,10 +83,13 @@ def test_accepted(source: str, gpu: dict | None, expected: GpuRequest | None) ->
         (CONFIG, {"vendor": "nvidia"}, "gpu.vendor", "gpu.enabled is not true"),
         (CONFIG, {"enabled": False, "count": 2}, "gpu.count", "gpu.enabled is not true"),
         (CONFIG, {"enabled": False, "device_ids": [A]}, "gpu.device_ids", "is not true"),
-        (CONFIG, {"enabled": False, "count": 0}, "gpu.count", "gpu.enabled is not true"),
+        (CONFIG, {"enabled": False, "count": 0}, "gpu.count", "between 1 and 16"),
+        (CONFIG, {"enabled": None}, "gpu.enabled", "true or false"),
+        (FROM_DICT, {"enabled": "no", "vendor": "nvidia"}, "gpu.enabled", "read it differently"),
+        (CONFIG, {**ON, "device_ids": None}, "gpu.device_ids", "list of up to 16"),
         (CONFIG, {"enabled": False, "vendor": "intel"}, "gpu.vendor", "nvidia or amd"),
         (FROM_DICT, {"enabled": "false", "vendor": "nvidia"}, "gpu.enabled", "true or false"),
-        (FROM_DICT, {"enabled": 1, "vendor": "nvidia"}, "gpu.enabled", "true or false"),
+        (CONFIG, {"enabled": 2, "vendor": "nvidia"}, "gpu.enabled", "true or false"),
         (CONFIG, {"enabled": True}, "gpu.vendor", "required"),
         (CONFIG, {"enabled": True, "count": 1}, "gpu.vendor", "required"),
         (CONFIG, {"enabled": True, "vendor": "intel"}, "gpu.vendor", "nvidia or amd"),
@@ -89,9 +99,9 @@ def test_accepted(source: str, gpu: dict | None, expected: GpuRequest | None) ->
         (CONFIG, {**ON, "count": 0}, "gpu.count", "between 1 and 16"),
         (CONFIG, {**ON, "count": 17}, "gpu.count", "between 1 and 16"),
         (CONFIG, {**ON, "count": -1}, "gpu.count", "between 1 and 16"),
-        (FROM_DICT, {**ON, "count": 2.0}, "gpu.count", "between 1 and 16"),
-        (FROM_DICT, {**ON, "count": "2"}, "gpu.count", "between 1 and 16"),
-        (FROM_DICT, {**ON, "count": True}, "gpu.count", "between 1 and 16"),
+        (CONFIG, {**ON, "count": 2.5}, "gpu.count", "between 1 and 16"),
+        (CONFIG, {**ON, "count": "2.5"}, "gpu.count", "between 1 and 16"),
+        (CONFIG, {**ON, "count": "two"}, "gpu.count", "between 1 and 16"),
         (
             CONFIG,
             {**ON, "device_ids": [str(i) for i in range(17)]},
@@ -161,7 +171,8 @@ def test_job_type_accepted(job_type: dict, expected: GpuRequest | None) -> None:
     ("job_type", "field", "says"),
     [
         ({"name": "x", "gpu_vendor": "nvidia"}, "gpu_vendor", "gpu.enabled is not true"),
-        ({"name": "x", "gpu_enabled": "yes", "gpu_vendor": "nvidia"}, "gpu_enabled", "true or"),
+        ({"name": "x", "gpu_enabled": "false", "gpu_vendor": "nvidia"}, "gpu_enabled", "true or"),
+        ({**LEGACY, "gpu_device_ids": None}, "gpu_device_ids", "list of up to 16"),
         ({**LEGACY, "gpu": {"enabled": False}}, "gpu_enabled", "disagree"),
         ({**LEGACY, "gpu": SHIPPED}, "gpu_enabled", "disagree"),
         ({**LEGACY, "gpu": {"vendor": "nvidia"}}, "gpu_vendor", "Tako would take gpu_vendor"),

@@ -516,7 +516,7 @@ def test_card_held_by_a_host_process_is_not_bindable(
 ) -> None:
     [held] = [bdf for bdf, driver in cards.items() if driver == "radeon"]
     run = host.attempt(
-        "card held", lambda: create_while_a_host_process_holds_the_card(host, held), spoils_l1=False
+        "card held", lambda: create_while_a_host_process_holds_the_card(host, held, [*cards])
     )
     assert run.gpu["bindable"] is False
     assert run.gpu["reasons"] == [f"host processes hold it open: pid {run.pid} (sleep)"]

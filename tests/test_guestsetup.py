@@ -41,6 +41,14 @@ def test_main_command_gets_a_unit_started_at_first_boot():
     assert config["runcmd"][-1] == ["systemctl", "start", "--no-block", MAIN_UNIT]
 
 
+def test_units_without_autostart_are_installed_for_the_caller_to_start():
+    setup = GuestSetup(main=("true",), units={"extra.service": "[Service]\n"}, autostart=False)
+    config = setup.cloud_config("sandbox")
+    files = _files(config)
+    assert {f"/etc/systemd/system/{MAIN_UNIT}", "/etc/systemd/system/extra.service"} <= set(files)
+    assert config["runcmd"] == [["systemctl", "daemon-reload"]]
+
+
 @pytest.mark.parametrize(
     ("environment", "field"),
     [

@@ -1,6 +1,7 @@
 """The OpenShell compute driver served by ``vmsandbox serve`` on the real libvirtd: the socket
 and its peer check, capabilities, error paths, a gateway reconnecting, GPU requests on the fake
-HGX host down to libvirt's refusal, and (e2e, one guest) the gateway's whole order of calls."""
+HGX host down to libvirt's refusal, and (e2e) the gateway's whole order of calls on one
+supervised guest, and a main process launched as the workload user in a user namespace."""
 
 from __future__ import annotations
 
@@ -18,7 +19,15 @@ import grpc
 import pytest
 from conftest import REPO, cli_env, leftovers
 from conftest_host import umockdev_run
-from openshell_client import LineGateway, Watch, check_capabilities, phase, serving, stub
+from openshell_client import (
+    LineGateway,
+    Watch,
+    capabilities_request,
+    check_capabilities,
+    phase,
+    serving,
+    stub,
+)
 
 from vmsandbox.config import Config
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
@@ -60,14 +69,8 @@ def test_socket_is_private_to_its_user(socket_path: Path):
     assert stat.S_ISSOCK(socket_path.stat().st_mode)
 
 
-def test_capabilities_and_no_listener_requirements(client):
-    check_capabilities(
-        client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30), supervised=False
-    )
-    listeners = client.GetGatewayListenerRequirements(
-        pb.GetGatewayListenerRequirementsRequest(), timeout=30
-    )
-    assert list(listeners.requirements) == []
+def test_capabilities_and_workspaces(client):
+    check_capabilities(client.GetCapabilities(capabilities_request(), timeout=30), supervised=False)
     client.EnsureWorkspace(pb.EnsureWorkspaceRequest(workspace="w"), timeout=30)
     client.DeleteWorkspace(pb.DeleteWorkspaceRequest(workspace="w"), timeout=30)
 
@@ -106,12 +109,12 @@ def test_bad_requests_come_back_with_vmsandboxs_code_and_message(client, config:
 
 def test_unknown_sandboxes(client):
     code, message = _code(
-        client.GetSandbox, pb.GetSandboxRequest(sandbox_id="nope", sandbox_name="t-os-none")
+        client.GetSandbox, pb.GetSandboxRequest(sandbox_id="nope", name="t-os-none")
     )
     assert (code, message) == (grpc.StatusCode.NOT_FOUND, "sandbox 't-os-none' does not exist")
-    code, _ = _code(client.StopSandbox, pb.StopSandboxRequest(sandbox_name="t-os-none"))
+    code, _ = _code(client.StopSandbox, pb.StopSandboxRequest(name="t-os-none"))
     assert code == grpc.StatusCode.NOT_FOUND
-    deleted = client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_name="t-os-none"), timeout=60)
+    deleted = client.DeleteSandbox(pb.DeleteSandboxRequest(name="t-os-none"), timeout=60)
     assert deleted.deleted is False
 
 
@@ -142,7 +145,7 @@ _PEER_CLIENT = textwrap.dedent(
     from vmsandbox.openshell.proto import compute_driver_pb2 as pb, compute_driver_pb2_grpc as g
     with grpc.insecure_channel("unix:" + sys.argv[1]) as channel:
         try:
-            g.ComputeDriverStub(channel).GetCapabilities(pb.GetCapabilitiesRequest(), timeout=20)
+            g.ComputeDriverStub(channel).ListSandboxes(pb.ListSandboxesRequest(), timeout=20)
         except grpc.RpcError as exc:
             print(exc.code().name, exc.details())
         else:
@@ -240,6 +243,38 @@ def test_a_derived_name_is_stable_for_the_gateway_id():
     assert sandbox_name("Not A Name", "gw-7") == sandbox_name("", "gw-7")
 
 
+def _launch_credentials(generation: str, bearer: str) -> bytes:
+    """Launch credentials as a v0.1 gateway mints them, its bearer token ``bearer``."""
+    return json.dumps(
+        {
+            "supervisor": {
+                "session_id": "session-e2e",
+                "runtime_generation": generation,
+                "session_rotation": 0,
+                "auth_epoch": 1,
+                "gateway_token": bearer,
+            },
+            "gateway_id": "gateway-e2e",
+            "verification_keys": [{"key_id": "k1", "public_key_pem": list(b"PEM")}],
+        }
+    ).encode()
+
+
+def _guest_credentials(manager, name: str) -> list[str]:
+    """Mode, owner and a distinguishing value of each launch credential file in the guest,
+    once the launch has written them."""
+    field = 'grep -o \'"{0}":"[^"]*"\' {1} | cut -d\'"\' -f4'
+    shown = manager.exec(
+        name,
+        "for i in $(seq 120); do sudo test -e /run/openshell/launched && break; sleep 1; done; "
+        "cd /run/openshell && sudo stat -c '%a %U' auth-bundle.json && "
+        f"sudo {field.format('gateway_token', 'auth-bundle.json')} && "
+        "stat -c '%a %U' gateway-verification.json && "
+        f"{field.format('gateway_id', 'gateway-verification.json')}",
+    ).stdout.splitlines()
+    return [f"{shown[0]} {shown[1]}", f"{shown[2]} {shown[3]}"]
+
+
 def _readable_by_others_containing(root: Path, secret: str) -> list[str]:
     """Files under ``root`` that users other than root could read and that hold ``secret``."""
     found = []
@@ -276,19 +311,14 @@ def supervised(config: Config) -> Iterator[tuple[Path, LineGateway]]:
         shutil.rmtree(folder)  # the state directory is the module's: the next user starts clean
 
 
-def test_with_a_supervisor_the_gateway_waits_for_its_callback_on_loopback(
+def test_with_a_supervisor_the_gateway_waits_for_its_callback(
     supervised: tuple[Path, LineGateway],
 ):
     socket_path, _gateway = supervised
     channel, client = stub(socket_path)
     with channel:
-        caps = client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30)
-        check_capabilities(caps, supervised=True)
-        listeners = client.GetGatewayListenerRequirements(
-            pb.GetGatewayListenerRequirementsRequest(), timeout=30
-        )
-    (listener,) = listeners.requirements
-    assert listener.WhichOneof("selector") == "loopback_interface"
+        caps = client.GetCapabilities(capabilities_request(), timeout=30)
+    check_capabilities(caps, supervised=True)
 
 
 @pytest.mark.e2e
@@ -296,18 +326,15 @@ def test_the_gateways_order_of_calls_on_one_guest(
     supervised: tuple[Path, LineGateway], config: Config, manager
 ):
     """One guest, booted twice (create, then start after stop), carries every e2e check: the
-    gateway's order of calls, what the guest and the stand-in supervisor received, and that
-    the token is nowhere on the host but in the 0600 seed."""
+    gateway's order of calls, what the guest and the stand-in supervisor received, the
+    workload identity resolved in the guest, the launch credentials in the guest's memory
+    (fresh ones after the restart), the runtime identity, and that the token is nowhere on the
+    host but in the 0600 seed and the launch credentials nowhere on the host at all."""
     socket_path, gateway = supervised
     name, sandbox_id = "t-os-e2e", "gw-e2e-1"
     token = "eyJ0eXAiOiJKV1QifQ.e2e-payload.signature"
     channel, client = stub(socket_path)
-    caps = client.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30)
-    listeners = client.GetGatewayListenerRequirements(
-        pb.GetGatewayListenerRequirementsRequest(), timeout=30
-    )
-    (listener,) = listeners.requirements
-    assert listener.WhichOneof("selector") == "loopback_interface"
+    caps = client.GetCapabilities(capabilities_request(), timeout=30)
     command = ["sh", "-c", "echo main"]
     request = pb.DriverSandbox(
         id=sandbox_id,
@@ -324,12 +351,15 @@ def test_the_gateways_order_of_calls_on_one_guest(
             ),
             sandbox_token=token,
             command=command,
+            await_main_process_attachment=True,
+            workload_identity=pb.WorkloadIdentityRequest(user="nobody", group="nogroup"),
+            launch_authentication=_launch_credentials("gen-1", "bearer-one"),
         ),
     )
     watch = Watch(socket_path)
     try:
         client.ValidateSandboxCreate(pb.ValidateSandboxCreateRequest(sandbox=request), timeout=120)
-        client.CreateSandbox(pb.CreateSandboxRequest(sandbox=request), timeout=600)
+        created = client.CreateSandbox(pb.CreateSandboxRequest(sandbox=request), timeout=600)
         phases = watch.until("Ready", sandbox_id)
         assert set(phases) <= {"Provisioning", "Ready"}, phases
         listed = client.ListSandboxes(pb.ListSandboxesRequest(), timeout=60).sandboxes
@@ -370,7 +400,13 @@ def test_the_gateways_order_of_calls_on_one_guest(
         assert gateway.lines == [f"hello from {sandbox_id}"]
         supervisor_env = set(recorded[7:])
         main_spec = json.dumps(
-            {"version": 1, "command": command, "tty": False}, separators=(",", ":")
+            {
+                "version": 1,
+                "command": command,
+                "tty": False,
+                "await_main_process_attachment": True,
+            },
+            separators=(",", ":"),
         )
         assert {
             f"OPENSHELL_ENDPOINT=https://127.0.0.1:{gateway.port}",
@@ -382,28 +418,67 @@ def test_the_gateways_order_of_calls_on_one_guest(
             "OPENSHELL_TLS_CERT=/opt/openshell/tls/cert.pem",
             "OPENSHELL_TLS_KEY=/opt/openshell/tls/key.pem",
             f"OPENSHELL_MAIN_PROCESS_SPEC={main_spec}",
+            "OPENSHELL_AUTH_BUNDLE_FILE=/run/openshell/auth-bundle.json",
             "FROM_TEMPLATE=yes",
         } <= supervisor_env, supervisor_env
 
-        # The token is nowhere on the host but the 0600 seed.
-        domain_xml = manager.conn.lookupByName(f"vmsbx-{name}").XMLDesc(0)
-        assert token not in domain_xml
-        assert _readable_by_others_containing(config.state_dir, token) == []
-        assert token not in (socket_path.parent.parent / "supervised.sock.log").read_text()
+        # The workload identity resolved in the guest, and the launch credentials in its /run.
+        got = client.GetSandbox(pb.GetSandboxRequest(name=name), timeout=60).sandbox.status
+        nobody = manager.exec(name, "id -u nobody; getent group nogroup").stdout.split()
+        resolved = got.resolved_identity
+        assert (resolved.uid, resolved.gid, resolved.source) == (
+            int(nobody[0]),
+            int(nobody[1].split(":")[2]),
+            "workload_identity",
+        )
+        assert got.fence_evidence.generation == "gen-1"
+        assert _guest_credentials(manager, name) == ["600 root bearer-one", "644 root gateway-e2e"]
 
-        client.StopSandbox(
-            pb.StopSandboxRequest(sandbox_id=sandbox_id, sandbox_name=name), timeout=300
-        )
+        # The token is nowhere on the host but the 0600 seed; the credentials nowhere at all.
+        domain_xml = manager.conn.lookupByName(f"vmsbx-{name}").XMLDesc(0)
+        log = (socket_path.parent.parent / "supervised.sock.log").read_text()
+        assert token not in domain_xml and token not in log
+        assert _readable_by_others_containing(config.state_dir, token) == []
+        for secret in ("bearer-one", "bearer-two"):
+            assert secret not in domain_xml and secret not in log
+            assert not any(
+                secret.encode() in path.read_bytes()
+                for path in config.state_dir.rglob("*")
+                if path.is_file()
+            )
+
+        client.StopSandbox(pb.StopSandboxRequest(sandbox_id=sandbox_id, name=name), timeout=300)
         assert watch.until("Stopped", sandbox_id)[-1] == "Stopped"
-        client.StartSandbox(
-            pb.StartSandboxRequest(sandbox_id=sandbox_id, sandbox_name=name), timeout=300
+        code, _ = _code(
+            client.StartSandbox,
+            pb.StartSandboxRequest(
+                name=name, generation_id="gen-2", expected_runtime_identity="vmsandbox:x:0"
+            ),
         )
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        started = client.StartSandbox(
+            pb.StartSandboxRequest(
+                sandbox_id=sandbox_id,
+                name=name,
+                generation_id="gen-2",
+                expected_runtime_identity=created.runtime_identity,
+                launch_authentication=_launch_credentials("gen-2", "bearer-two"),
+            ),
+            timeout=300,
+        )
+        assert started.runtime_identity.split(":")[:2] == created.runtime_identity.split(":")[:2]
+        assert started.runtime_identity != created.runtime_identity
         phases = watch.until("Ready", sandbox_id)
         # Snapshots of the stop's own later events (shutdown, then stopped) may come first.
         booting = phases[phases.index("Provisioning") :]
         assert set(booting) <= {"Provisioning", "Ready"} and set(phases) - set(booting) <= {
             "Stopped"
         }, phases
+        assert _guest_credentials(manager, name) == ["600 root bearer-two", "644 root gateway-e2e"]
+        authenticated = client.AuthenticateSandbox(
+            pb.AuthenticateSandboxRequest(credential=token), timeout=60
+        )
+        assert authenticated.runtime_identity == started.runtime_identity
 
         deleted = client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=sandbox_id), timeout=300)
         assert deleted.deleted is True
@@ -413,6 +488,64 @@ def test_the_gateways_order_of_calls_on_one_guest(
     finally:
         watch.close()
         channel.close()
+        if leftovers(config, name):
+            manager.destroy(name)
+    assert leftovers(config, name) == []
+
+
+@pytest.mark.e2e
+def test_the_main_process_runs_as_the_workload_user_in_a_user_namespace(
+    socket_path: Path, client, config: Config, manager
+):
+    """Without a supervisor, the main unit runs as the requested workload user, resolved in
+    the guest, inside a user namespace of its own (template.user_namespaces); the snapshot
+    reports the resolved identity and the main process's exit."""
+    name, sandbox_id = "t-os-main", "gw-main-1"
+    # written whole, then renamed: the reader below waits for the file and must not see half
+    probe = (
+        "{ id -u; id -g; cat /proc/self/uid_map; } > /tmp/main-id.part; "
+        "mv /tmp/main-id.part /tmp/main-id"
+    )
+    request = pb.DriverSandbox(
+        id=sandbox_id,
+        name=name,
+        spec=pb.DriverSandboxSpec(
+            command=["sh", "-c", probe],
+            workload_identity=pb.WorkloadIdentityRequest(user="nobody"),
+            template=pb.DriverSandboxTemplate(user_namespaces=True),
+        ),
+    )
+    watch = Watch(socket_path)
+    try:
+        created = client.CreateSandbox(pb.CreateSandboxRequest(sandbox=request), timeout=600)
+        assert created.runtime_identity.startswith("vmsandbox:")
+        watch.until("Ready", sandbox_id)
+        shown = manager.exec(
+            name,
+            "for i in $(seq 120); do test -s /tmp/main-id && break; sleep 1; done; "
+            "cat /tmp/main-id; id -u nobody; id -g nobody",
+        ).stdout.split("\n")
+        uid, gid, *maps = [line.split() for line in shown if line.strip()]
+        nobody_uid, nobody_gid = maps[-2][0], maps[-1][0]
+        assert (uid[0], gid[0]) == (nobody_uid, nobody_gid)
+        uid_map = maps[:-2]
+        # in its own user namespace only root and the unit's user are mapped, one id each
+        assert ["0", "0", "1"] in uid_map and [nobody_uid, nobody_uid, "1"] in uid_map
+        assert ["0", "0", "4294967295"] not in uid_map
+        status = client.GetSandbox(pb.GetSandboxRequest(name=name), timeout=60).sandbox.status
+        assert (status.resolved_identity.uid, status.resolved_identity.source) == (
+            int(nobody_uid),
+            "workload_identity",
+        )
+        (main,) = [c for c in status.conditions if c.type == "MainProcess"]
+        assert (main.status, main.reason, main.message) == (
+            "False",
+            "Exited",
+            "the main process exited (0)",
+        )
+        assert client.DeleteSandbox(pb.DeleteSandboxRequest(name=name), timeout=300).deleted
+    finally:
+        watch.close()
         if leftovers(config, name):
             manager.destroy(name)
     assert leftovers(config, name) == []

@@ -1,5 +1,6 @@
 """An OpenShell DriverSandbox in vmsandbox's terms: quantities, images, names, GPUs through
-compat.openshell, environment and the token (a file, never the environment)."""
+compat.openshell (and the operator's driver_config admission), environment, the token (a file,
+never the environment), the main unit and launch labels."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import pytest
 
 from vmsandbox.errors import InvalidArgument
 from vmsandbox.openshell import quantity
+from vmsandbox.openshell.admission import AdmissionPolicy
+from vmsandbox.openshell.identity import INCARNATION_LABEL
+from vmsandbox.openshell.launch import OPENSHELL_MAIN_UNIT, Workload
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.request import ID_LABEL, TOKEN_PATH, sandbox_name, translate
 
-IMAGES = ["minimal", "nvidia"]
+IMAGES = {"minimal": "minimal-1a2b", "nvidia": "nvidia-3c4d"}
+ALLOWED = AdmissionPolicy(allow_driver_config=True)
 
 
 def _sandbox(**spec: object) -> pb.DriverSandbox:
@@ -76,11 +81,15 @@ def test_spec_resources_labels_and_environment():
         4096,
         None,
     )
+    incarnation = spec.labels.pop(INCARNATION_LABEL)
+    assert len(incarnation) == 32 and int(incarnation, 16) >= 0
     assert spec.labels == {
         "team": "ml",
         ID_LABEL: "gw-1",
         "openshell.namespace": "ns",
         "openshell.workspace": "ws",
+        "openshell.image-id": "nvidia-3c4d",
+        **Workload("sandbox", "", "image", (OPENSHELL_MAIN_UNIT,), ()).labels(),
     }
     assert spec.guest is not None
     assert spec.guest.environment == {
@@ -94,7 +103,11 @@ def test_spec_resources_labels_and_environment():
     (token,) = spec.guest.files
     assert (token.path, token.content, token.mode) == (TOKEN_PATH, "secret.jwt.value", "0600")
     assert "secret.jwt.value" not in repr(spec)
-    assert spec.guest.main == ("python3", "-m", "http.server")
+    assert spec.guest.main == () and not spec.guest.autostart
+    unit = spec.guest.units[OPENSHELL_MAIN_UNIT]
+    assert "User=sandbox\n" in unit and "ExecStart=python3 -m http.server\n" in unit
+    assert "Group=" not in unit and "PrivateUsers" not in unit
+    assert translate(sandbox, IMAGES).spec.labels[INCARNATION_LABEL] != incarnation
 
 
 def test_an_oci_reference_is_refused_naming_the_hosts_images():
@@ -118,7 +131,7 @@ def test_gpu_count_and_driver_config_devices_go_through_compat():
     sandbox = _sandbox()
     sandbox.spec.resource_requirements.gpu.count = 2
     sandbox.spec.template.driver_config.update({"gpu_device_ids": ["0000:41:00.0", "3"]})
-    gpu = translate(sandbox, IMAGES).spec.gpu
+    gpu = translate(sandbox, IMAGES, admission=ALLOWED).spec.gpu
     assert gpu is not None
     assert (gpu.count, gpu.devices) == (2, ("0000:41:00.0", "3"))
     presence_only = _sandbox()
@@ -130,12 +143,12 @@ def test_bad_gpu_fields_are_invalid_argument_from_compat():
     devices_alone = _sandbox()
     devices_alone.spec.template.driver_config.update({"gpu_device_ids": ["0000:41:00.0"]})
     with pytest.raises(InvalidArgument, match="gpu_device_ids requires a gpu request"):
-        translate(devices_alone, IMAGES)
+        translate(devices_alone, IMAGES, admission=ALLOWED)
     unknown = _sandbox()
     unknown.spec.resource_requirements.gpu.SetInParent()
     unknown.spec.template.driver_config.update({"gpus": 2})
     with pytest.raises(InvalidArgument, match="gpus"):
-        translate(unknown, IMAGES)
+        translate(unknown, IMAGES, admission=ALLOWED)
 
 
 def test_bad_environment_and_resources_name_their_field():

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from openshell_client import phase
 
-from vmsandbox.openshell.status import MainProcess, main_process, snapshot
+from vmsandbox.openshell.launch import key_values
+from vmsandbox.openshell.status import GuestState, MainProcess, main_process, snapshot
 from vmsandbox.sandbox.handle import Sandbox
 
 
@@ -50,8 +51,9 @@ def test_each_state_derives_the_phase_the_gateway_expects(
     state: str, extra: dict[str, Any], expected: str
 ):
     snap = snapshot(_sandbox(state, **extra))
-    assert (snap.id, snap.name, snap.namespace, snap.status.instance_id) == (
+    assert (snap.id, snap.name, snap.status.name, snap.namespace, snap.status.instance_id) == (
         "gw-1",
+        "job-1",
         "job-1",
         "ns",
         "vmsbx-job-1",
@@ -70,15 +72,19 @@ def test_failure_and_verification_messages_reach_the_condition():
     )
 
 
+def _shown(text: str) -> MainProcess | None:
+    return main_process(key_values(text))
+
+
 def test_main_process_from_systemctl_show():
-    assert main_process("LoadState=not-found\nActiveState=inactive\nExecMainStatus=0\n") is None
-    assert main_process("LoadState=loaded\nActiveState=active\nExecMainStatus=0\n") == MainProcess(
+    assert _shown("LoadState=not-found\nActiveState=inactive\nExecMainStatus=0\n") is None
+    assert _shown("LoadState=loaded\nActiveState=active\nExecMainStatus=0\n") == MainProcess(
         running=True
     )
-    assert main_process("LoadState=loaded\nActiveState=failed\nExecMainStatus=3\n") == MainProcess(
+    assert _shown("LoadState=loaded\nActiveState=failed\nExecMainStatus=3\n") == MainProcess(
         running=False, exit_status=3
     )
-    exited = snapshot(_sandbox("ready"), MainProcess(running=False, exit_status=3))
+    exited = snapshot(_sandbox("ready"), GuestState(MainProcess(running=False, exit_status=3)))
     main = exited.status.conditions[1]
     assert (main.type, main.status, main.reason, main.message) == (
         "MainProcess",

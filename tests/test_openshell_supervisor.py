@@ -62,9 +62,9 @@ def test_every_guest_gets_the_supervisor_and_the_command_goes_to_it(tmp_path: Pa
             sandbox_token="jwt-secret-value", command=["run", "it"], tty=True
         ),
     )
-    guest = translate(sandbox, ["minimal"], supervisor).spec.guest
+    guest = translate(sandbox, {"minimal": "minimal-1"}, supervisor).spec.guest
     assert guest is not None
-    assert guest.main == ()
+    assert guest.main == () and not guest.autostart
     files = {item.path: item for item in guest.files}
     binary = files["/opt/openshell/bin/openshell-sandbox"]
     assert (base64.b64decode(binary.content), binary.mode, binary.base64) == (
@@ -75,13 +75,24 @@ def test_every_guest_gets_the_supervisor_and_the_command_goes_to_it(tmp_path: Pa
     assert files["/opt/openshell/tls/key.pem"].mode == "0600"
     env_file = files[ENV_FILE]
     assert env_file.mode == "0600"
-    spec = json.dumps({"version": 1, "command": ["run", "it"], "tty": True}, separators=(",", ":"))
+    spec = json.dumps(
+        {
+            "version": 1,
+            "command": ["run", "it"],
+            "tty": True,
+            "await_main_process_attachment": False,
+        },
+        separators=(",", ":"),
+    )
     escaped = spec.replace('"', '\\"')
     for line in (
         'OPENSHELL_ENDPOINT="https://127.0.0.1:8443"',
         'OPENSHELL_GATEWAY_TLS_SERVER_NAME="localhost"',
         'OPENSHELL_SANDBOX_TOKEN_FILE="/etc/openshell/sandbox-token"',
         'OPENSHELL_TLS_KEY="/opt/openshell/tls/key.pem"',
+        'OPENSHELL_AUTH_BUNDLE_FILE="/run/openshell/auth-bundle.json"',
+        'OPENSHELL_GATEWAY_VERIFICATION_FILE="/run/openshell/gateway-verification.json"',
+        'OPENSHELL_WORKLOAD_IDENTITY_FILE="/run/openshell/workload-identity"',
         f'OPENSHELL_MAIN_PROCESS_SPEC="{escaped}"',
     ):
         assert line in env_file.content.splitlines()
@@ -90,4 +101,6 @@ def test_every_guest_gets_the_supervisor_and_the_command_goes_to_it(tmp_path: Pa
     cloud = guest.cloud_config("sandbox")
     written = {item["path"]: item for item in cloud["write_files"]}
     assert written["/opt/openshell/bin/openshell-sandbox"]["encoding"] == "b64"
-    assert cloud["runcmd"][-1] == ["systemctl", "start", "--no-block", SUPERVISOR_UNIT]
+    # installed, not started: the launch starts it once the workload identity is resolved
+    assert cloud["runcmd"] == [["systemctl", "daemon-reload"]]
+    assert f"/etc/systemd/system/{SUPERVISOR_UNIT}" in written

@@ -23,6 +23,8 @@ def test_the_wheel_ships_templates_and_recipes(tmp_path: Path) -> None:
         ignore=shutil.ignore_patterns(
             ".git",
             ".venv",
+            ".venv-docs",
+            "site",
             "build",
             "*.egg-info",
             "__pycache__",

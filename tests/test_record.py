@@ -91,7 +91,7 @@ def test_a_version_3_record_reads_unclaimed_and_a_claim_round_trips() -> None:
     claimed = SandboxRecord.from_dict({**old.to_dict(), "guest": "pool-1234abcd"})
     assert (claimed.stem, claimed.domain) == ("pool-1234abcd", "vmsbx-pool-1234abcd")
     assert SandboxRecord.from_dict(claimed.to_dict()) == claimed
-    assert claimed.to_dict()["version"] == SCHEMA_VERSION == 6
+    assert claimed.to_dict()["version"] == SCHEMA_VERSION == 7
 
 
 def test_a_version_4_record_reads_without_a_credential_and_version_5_keeps_its_digest() -> None:
@@ -111,3 +111,12 @@ def test_a_version_4_record_has_no_spare_ports_and_a_gpu_ready_guest_round_trips
     ready = replace(old, hotplug=HotplugRecord(buses=(1, 2), firmware="bios"))
     assert ready.to_dict()["hotplug"] == {"buses": [1, 2], "firmware": "bios"}
     assert SandboxRecord.from_dict(ready.to_dict()) == ready
+
+
+def test_a_version_6_record_has_no_generation_and_a_restarted_one_round_trips() -> None:
+    """Version 7 adds ``generation``, the OpenShell gateway's last start generation."""
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 6, "hotplug": None})
+    assert old.generation is None and old.to_dict()["generation"] is None
+    restarted = replace(old, generation="gen-2")
+    assert SandboxRecord.from_dict(restarted.to_dict()) == restarted
+    assert restarted.to_dict()["version"] == SCHEMA_VERSION

@@ -476,7 +476,7 @@ def test_cli_options_after_the_exec_name_are_options_not_the_command(
 def test_cli_json_works_before_and_after_the_command(
     args: list[str], cli_env: dict[str, str]
 ) -> None:
-    """README: every command takes --json; ``vmsandbox --json CMD`` is the same request."""
+    """docs/usage.md: every command takes --json; ``vmsandbox --json CMD`` is the same request."""
     before = run_main(["--json", *args], cli_env)
     after = run_main([*args, "--json"], cli_env)
     assert before[0] == after[0] == 0

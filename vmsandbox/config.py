@@ -87,6 +87,12 @@ class Config:
     openshell_tls_ca: str = ""
     openshell_tls_cert: str = ""
     openshell_tls_key: str = ""
+    # The driver's resource admission policy, set as the gateway's block for this driver is
+    # (vmsandbox/openshell/admission.py): whether callers may send template.driver_config,
+    # whether attached resources need approval labels, and which (None: the gateway's default).
+    openshell_allow_driver_config: bool = False
+    openshell_resource_admission: bool = True
+    openshell_required_labels: tuple[tuple[str, str], ...] | None = None
     # NVSwitch boards (vmsandbox.gpu.fabric). Fabric Manager's config, read for FABRIC_MODE:
     fabric_manager_config: Path = Path("/usr/share/nvidia/nvswitch/fabricmanager.cfg")
     # fmpm (NVIDIA/Fabric-Manager-Client): a path, or a name looked up on PATH; and the FM
@@ -147,6 +153,15 @@ def _uids(raw: Any) -> tuple[int, ...]:
     return uids
 
 
+def _labels(raw: Any) -> tuple[tuple[str, str], ...]:
+    """A table of label keys to values, all strings (a TOML table), as sorted pairs."""
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
+    ):
+        raise ValueError("expected a table of label names to string values")
+    return tuple(sorted(raw.items()))
+
+
 def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
     known = {f.name: f for f in fields(Config)}
     changes: dict[str, Any] = {}
@@ -160,6 +175,9 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
         try:
             if key == "pool":
                 changes[key] = parse_pool(raw)
+                continue
+            if key == "openshell_required_labels":
+                changes[key] = _labels(raw)
                 continue
             if isinstance(default, tuple):
                 value = _uids(raw)

@@ -6,10 +6,10 @@ One module per platform, each with ``gpu_request(...) -> GpuRequest | None`` (No
 whole job type); ``cliflags`` does the same for the CLI's ``--gpu*`` flags. Input is taken as it
 arrives on the wire (decoded JSON).
 
-Each adapter gives the platform's own verdict, checked against the platform's code and tests
-(each module names the files and the commit it follows): what the platform accepts is
-accepted and means what it means there. ``InvalidArgument``, naming the field, the value and
-what is allowed, is raised where the platform rejects a value too, and where it would silently
-do something wrong (drop the value, misread it, or pick a GPU other than the one asked for);
-each module's docstring lists those cases. No other exception escapes.
+Each adapter reads a request as the platform's own released code does (each module names the
+package, files and commits it follows; tests/test_compat_platforms.py feeds the same specs to
+those packages): what the platform accepts is accepted and means what it means there, and what
+it refuses is refused with ``InvalidArgument``, naming the field, the value and what is allowed.
+The few deliberate differences are listed in each module's docstring and in ``fields`` (the
+facts docs/compatibility.md is generated from). No other exception escapes.
 """

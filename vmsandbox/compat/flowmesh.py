@@ -1,17 +1,20 @@
 """FlowMesh: a task's ``resources.hardware.gpu`` block, ``{count, type, memory}``.
 
 Rules read in mlsys-io/FlowMesh: ``src/shared/tasks/components/resources.py`` (the block, extra
-keys forbidden), ``src/shared/utils/parsing.py`` (``parse_mem_to_bytes``),
-``src/shared/utils/hardware.py`` and ``src/worker/executors/ssh_session/config.py``
-(``_resolve_gpu_devices``), with tests ``tests/shared/utils/test_hardware.py`` and
-``tests/shared/test_spec_uses_gpu.py``, at commit 6f1ac4c2 / 45e7d540.
+keys forbidden), ``src/shared/utils/parsing.py`` (``parse_mem_to_bytes``, at 202106ee),
+``src/shared/utils/hardware.py`` (at 6f1ac4c2) and ``src/worker/executors/ssh_session/config.py``
+(``_resolve_gpu_devices``, at 7d2a77ac), with tests ``tests/shared/utils/test_hardware.py`` and
+``tests/shared/test_spec_uses_gpu.py``. The released ``flowmesh`` package has the CLI that
+writes the block but no reader of it: tests/test_compat_platforms.py restates the worker's rule
+from those files and checks the adapter against it, and reads back what the CLI writes.
 
 FlowMesh's verdict, kept:
 
 - No block (None): no GPU. A block with no count, no type and no memory (``{}``, or those
   fields null, ``""`` or 0) takes every GPU of the worker: ``all=True`` here.
-- ``count``: that many GPUs; 0 means no GPU (``type`` and ``memory`` are still checked, then
-  moot). Omitted or null with a type or memory given: one GPU.
+- ``count``: that many GPUs; 0 means no GPU (the worker reads no further: ``type`` and
+  ``memory`` need only be a string and a string or number). Omitted or null with a type or
+  memory given: one GPU.
 - ``type``: "", "any", "auto" or "*" (any case, trimmed) accept any model; anything else is a
   model filter.
 - ``memory``: a minimum per GPU. A string is a whole number, optional spaces, and an optional
@@ -73,11 +76,19 @@ def gpu_request(gpu: Mapping[str, object] | None) -> GpuRequest | None:
     no_gpu = type(raw_count) is int and raw_count == 0
     count = None if raw_count is None or no_gpu else require_count(raw_count, f"{_FIELD}.count")
     raw_type = optional_str(block.get("type"), f"{_FIELD}.type")
-    model = _model(raw_type)
     raw_memory = block.get("memory")
-    min_memory_mib = _memory_mib(raw_memory)
-    if no_gpu:
+    if no_gpu:  # the worker stops here: type and memory only need the model's types
+        if raw_memory is not None and (
+            isinstance(raw_memory, bool) or not isinstance(raw_memory, str | int | float)
+        ):
+            raise invalid(
+                f"{_FIELD}.memory",
+                raw_memory,
+                f"{_FIELD}.memory {shown(raw_memory)} is not a memory size: {_MEMORY_ALLOWED}",
+            )
         return None
+    model = _model(raw_type)
+    min_memory_mib = _memory_mib(raw_memory)
     if count is None and not raw_type and not _given(raw_memory):
         return GpuRequest(all=True)  # FlowMesh: no constraint at all -> every GPU it has
     return GpuRequest(count=count, model=model, min_memory_mib=min_memory_mib)

@@ -1,36 +1,40 @@
 """OpenSandbox: the GPU entries of ``CreateSandboxRequest.resourceLimits`` (strings to strings).
 
-Rules read in alibaba/OpenSandbox at commit 4db3a993:
-``server/opensandbox_server/services/helpers.py`` (``parse_gpu_request``),
-``server/opensandbox_server/services/k8s/provider_common.py``
-(``_translate_resource_limits_for_k8s``) and ``services/docker/container_ops.py`` (the
-Docker ``DeviceRequest``).
+Rules of the released ``opensandbox-server`` 1.1.1, which tests/test_compat_platforms.py runs:
+``api/schema.py`` (``CreateSandboxRequest``, ``ResourceLimits``: ``Dict[str, str]``),
+``services/helpers.py`` (``parse_gpu_request``), the Docker runtime's
+``services/docker/container_ops.py`` (``_resolve_resource_limits``, the ``DeviceRequest``) and
+the Kubernetes runtime's ``services/k8s/provider_common.py``
+(``_translate_resource_limits_for_k8s``).
 
 OpenSandbox's verdict, kept:
 
-- ``gpu`` means NVIDIA GPUs: Kubernetes gets it as ``nvidia.com/gpu``, Docker as a device
-  request for the NVIDIA runtime. ``"N"`` asks for N (whatever Python's ``int()`` reads after
-  trimming, such as " 2" or "+2"); ``"all"`` in any case asks for every free GPU; ``""``
-  means not set.
-- ``nvidia.com/gpu`` and ``amd.com/gpu`` go to Kubernetes as extended resources, which take a
-  whole number: ``"N"`` GPUs of that vendor (ASCII digits, surrounding spaces allowed).
-  ``"all"`` is rejected there, as OpenSandbox rejects it for Kubernetes.
-- Other keys (cpu, memory) are not about GPUs and are left alone. No ``resourceLimits`` at
-  all (None) means no GPU.
+- ``resourceLimits`` maps strings to strings: any other value, JSON ``null`` included, is the
+  request model's 422, refused here too. No ``resourceLimits`` at all (None, as for a pooled
+  sandbox) means no GPU.
+- ``gpu`` means NVIDIA GPUs: Docker gets a device request for the NVIDIA runtime, Kubernetes
+  ``nvidia.com/gpu``. It is read as Docker reads it: ``"N"`` asks for N (whatever Python's
+  ``int()`` reads after trimming, such as " 2" or "+2"), ``"all"`` in any case asks for every
+  free GPU, and anything else, ``""``, ``"0"``, ``"-1"``, ``"1.5"`` or ``"two"``, is the 400.
+- ``nvidia.com/gpu`` and ``amd.com/gpu`` go to Kubernetes unchanged, as extended resources.
+- Other keys (cpu, memory) are not about GPUs and are left alone.
 
-Rejected with INVALID_ARGUMENT where OpenSandbox silently does something wrong:
+Deliberately different:
 
-- A ``gpu`` value it cannot read or that is not positive ("0", "-1", "1.5", "two"):
-  ``parse_gpu_request`` logs a warning and the sandbox starts without a GPU.
-- ``gpu`` with a different ``nvidia.com/gpu``: the Kubernetes translation overwrites the
-  latter. ``gpu`` with ``amd.com/gpu``, or both vendor keys: one sandbox, two vendors.
+- ``gpu: "all"``: Kubernetes refuses it (400); vmsandbox takes every free GPU, as Docker does.
+  A ``gpu`` value Docker refuses is refused, where Kubernetes drops it and starts the sandbox
+  without a GPU.
+- ``nvidia.com/gpu`` and ``amd.com/gpu`` ask for GPUs of that vendor, as on Kubernetes, where
+  Docker ignores them. Their value must be a whole number (ASCII digits, surrounding spaces
+  allowed), as Kubernetes requires of an extended resource; OpenSandbox passes any string on.
+- ``gpu`` with a different ``nvidia.com/gpu`` (Kubernetes overwrites the latter, Docker ignores
+  it), ``gpu`` with ``amd.com/gpu``, or both vendor keys: refused, one sandbox, one answer.
 - Keys that differ from a GPU key only in case or surrounding spaces (a likely typo that
-  Kubernetes would take as an unknown resource). Values that are not strings.
+  Docker ignores and Kubernetes takes as an unknown resource) are refused.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 from vmsandbox.compat._wire import as_mapping, count_from_text
@@ -40,7 +44,6 @@ _GENERIC = "gpu"
 _GENERIC_VENDOR = "nvidia"  # OpenSandbox maps "gpu" to nvidia.com/gpu
 _VENDOR_KEYS = {"nvidia.com/gpu": "nvidia", "amd.com/gpu": "amd"}
 _GPU_KEYS = (_GENERIC, *_VENDOR_KEYS)
-_ALL_RE = re.compile(r"\s*all\s*", re.I | re.A)
 
 
 def _field(key: str) -> str:
@@ -52,8 +55,16 @@ def gpu_request(resource_limits: Mapping[str, str] | None) -> GpuRequest | None:
     if resource_limits is None:
         return None
     limits = as_mapping(resource_limits, "resourceLimits")
-    for key in limits:
-        if isinstance(key, str) and key not in _GPU_KEYS and key.strip().lower() in _GPU_KEYS:
+    for key, value in limits.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            field = _field(key) if isinstance(key, str) else "resourceLimits"
+            raise invalid(
+                field,
+                value,
+                f"{field} must be a string, got {shown(value)}: resourceLimits maps resource "
+                "names to strings (OpenSandbox answers 422)",
+            )
+        if key not in _GPU_KEYS and key.strip().lower() in _GPU_KEYS:
             raise invalid(
                 _field(key),
                 key,
@@ -84,7 +95,7 @@ def gpu_request(resource_limits: Mapping[str, str] | None) -> GpuRequest | None:
         why = (
             f"{_field(_GENERIC)} means NVIDIA GPUs"
             if vendor != _GENERIC_VENDOR
-            else "OpenSandbox would overwrite one with the other"
+            else "OpenSandbox's Docker runtime reads only gpu, Kubernetes writes it over the other"
         )
         raise invalid(
             _field(_GENERIC),
@@ -95,25 +106,26 @@ def gpu_request(resource_limits: Mapping[str, str] | None) -> GpuRequest | None:
     return GpuRequest(count=count, vendor=vendor)
 
 
-def _generic(value: object) -> int | str | None:
-    """``gpu``'s value as ``parse_gpu_request`` reads it: a count, "all", or None (not set)."""
+def _generic(value: str | None) -> int | str | None:
+    """``gpu``'s value as Docker's ``_resolve_resource_limits`` reads it: a count, "all", or
+    None when the key is absent."""
     field = _field(_GENERIC)
-    if value is None or value == "":
+    if value is None:
         return None
-    if isinstance(value, str):
-        if _ALL_RE.fullmatch(value):
-            return "all"
-        try:
-            count = int(value.strip())
-        except ValueError:
-            count = None
-        if count is not None and count >= 1:
-            return count
+    text = value.strip().lower()
+    if text == "all":
+        return "all"
+    try:
+        count = int(text)
+    except ValueError:
+        count = None
+    if count is not None and count >= 1:
+        return count
     raise invalid(
         field,
         value,
         f"{field} must be a whole number of GPUs greater than 0, such as '1' or '4', or "
-        f"'all', got {shown(value)}: OpenSandbox would start the sandbox without a GPU",
+        f"'all', got {shown(value)} (OpenSandbox answers 400)",
     )
 
 
@@ -122,7 +134,7 @@ def _vendor_count(limits: Mapping[object, object], key: str) -> int | None:
     if key not in limits:
         return None
     value = limits[key]
-    if isinstance(value, str) and _ALL_RE.fullmatch(value):
+    if isinstance(value, str) and value.strip().lower() == "all":
         raise invalid(
             _field(key),
             value,

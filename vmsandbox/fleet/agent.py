@@ -93,7 +93,7 @@ class HostAgent:
         with self._lock:
             self._in_flight.add(claim)
         try:
-            self._driver.CreateSandbox(
+            created = self._driver.CreateSandbox(
                 pb.CreateSandboxRequest(sandbox=sandbox), timeout=CALL_TIMEOUT
             )
             info = self._read_info()
@@ -105,7 +105,7 @@ class HostAgent:
         found = _find(info, gateway, sandbox.id)
         by_bdf = {gpu["bdf"]: gpu for gpu in info["gpus"]}
         gpus = [by_bdf[bdf] for bdf in (found or {}).get("gpus", []) if bdf in by_bdf]
-        return {"host": self.host, "gpus": gpus}
+        return {"host": self.host, "gpus": gpus, "runtime_identity": created.runtime_identity}
 
     def sandboxes(self, gateway: str) -> dict[str, Any]:
         """The gateway's sandboxes on this host, as serialized DriverSandbox snapshots."""
@@ -129,31 +129,27 @@ class HostAgent:
             info = self._read_info()
         except grpc.RpcError as exc:
             return _error(exc)
-        owned = _find(info, gateway, answer.sandbox_id) is not None
-        return {"sandbox_id": answer.sandbox_id if owned else ""}
+        if _find(info, gateway, answer.sandbox_id) is None:
+            return {"sandbox_id": "", "runtime_identity": ""}
+        return {"sandbox_id": answer.sandbox_id, "runtime_identity": answer.runtime_identity}
 
-    def delete(self, gateway: str, sandbox_id: str) -> dict[str, Any]:
-        """Delete the gateway's sandbox ``sandbox_id``; ``deleted`` False when it is not here."""
-        return self._act(gateway, sandbox_id, "DeleteSandbox")
-
-    def stop(self, gateway: str, sandbox_id: str) -> dict[str, Any]:
-        return self._act(gateway, sandbox_id, "StopSandbox")
-
-    def start(self, gateway: str, sandbox_id: str) -> dict[str, Any]:
-        return self._act(gateway, sandbox_id, "StartSandbox")
-
-    def _act(self, gateway: str, sandbox_id: str, rpc: str) -> dict[str, Any]:
+    def act(self, gateway: str, sandbox_id: str, rpc: str, request: bytes) -> dict[str, Any]:
+        """``rpc`` (StopSandbox, StartSandbox or DeleteSandbox) with ``request`` (serialized) on
+        the gateway's sandbox ``sandbox_id``; ``found`` False when it is not here."""
         try:
             found = _find(self._read_info(), gateway, sandbox_id)
             if found is None:
-                return {"deleted": False, "found": False}
-            request = getattr(pb, rpc.replace("Sandbox", "SandboxRequest"))(
-                sandbox_id=sandbox_id, sandbox_name=found["name"]
-            )
-            answer = getattr(self._driver, rpc)(request, timeout=CALL_TIMEOUT)
+                return {"found": False, "deleted": False}
+            message = getattr(pb, f"{rpc}Request").FromString(request)
+            message.sandbox_id, message.name = sandbox_id, found["name"]
+            answer = getattr(self._driver, rpc)(message, timeout=CALL_TIMEOUT)
         except grpc.RpcError as exc:
             return _error(exc)
-        return {"found": True, "deleted": bool(getattr(answer, "deleted", False))}
+        return {
+            "found": True,
+            "deleted": bool(getattr(answer, "deleted", False)),
+            "runtime_identity": getattr(answer, "runtime_identity", ""),
+        }
 
     def close(self) -> None:
         """Stop reconciling and give the host's pinned claim back (the host leaves)."""

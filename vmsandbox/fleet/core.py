@@ -200,7 +200,8 @@ class Fleet:
             with self._lock:
                 created = self._where.pop(sandbox.id, None)
             if created is not None:  # made, but not as wished: taken back
-                self._call(host, "delete", self.gateway, sandbox.id)
+                request = pb.DeleteSandboxRequest().SerializeToString()
+                self._call(host, "act", self.gateway, sandbox.id, "DeleteSandbox", request)
             claims.remove(name)
             claims.wait_gone(name, 5.0)
 
@@ -218,9 +219,7 @@ class Fleet:
             answer = self._call(view.name, "sandboxes", self.gateway)
             if "error" in answer:  # no answer this time: what it last said stands
                 with self._lock:
-                    found.update(
-                        {sid: s for sid, s in self._last.items() if s.host == view.name}
-                    )
+                    found.update({sid: s for sid, s in self._last.items() if s.host == view.name})
                 continue
             for data in answer["sandboxes"]:
                 snapshot = pb.DriverSandbox.FromString(data)
@@ -257,7 +256,8 @@ class Fleet:
                 "again once the host is back",
                 details={"sandbox_id": sandbox_id, "host": found.host},
             )
-        answer = self._call(found.host, "delete", self.gateway, sandbox_id)
+        request = pb.DeleteSandboxRequest().SerializeToString()
+        answer = self._call(found.host, "act", self.gateway, sandbox_id, "DeleteSandbox", request)
         if "error" in answer:
             if self.metrics is not None:
                 self.metrics.failed("delete", answer["error"]["code"])
@@ -270,14 +270,21 @@ class Fleet:
             self.metrics.deleted(time.monotonic() - started)
         return bool(answer.get("deleted"))
 
-    def power(self, sandbox_id: str, action: str) -> None:
-        """``action`` "stop" or "start" on the gateway's sandbox ``sandbox_id``."""
+    def power(
+        self, sandbox_id: str, request: pb.StopSandboxRequest | pb.StartSandboxRequest
+    ) -> str:
+        """Stop or start (as ``request`` says) the gateway's sandbox ``sandbox_id``; the
+        runtime identity a start answers."""
         found = self.get(sandbox_id)
         if found.lost:
             raise Unavailable(f"sandbox {sandbox_id!r} is on host {found.host}, which is lost")
-        answer = self._call(found.host, action, self.gateway, sandbox_id)
+        rpc = type(request).__name__.removesuffix("Request")
+        answer = self._call(
+            found.host, "act", self.gateway, sandbox_id, rpc, request.SerializeToString()
+        )
         if "error" in answer:
             raise placement.error(answer["error"]["code"], answer["error"]["message"])
+        return str(answer.get("runtime_identity", ""))
 
     def create_sandbox(
         self,

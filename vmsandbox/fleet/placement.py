@@ -150,6 +150,7 @@ class Placed:
     gpus: list[dict[str, Any]]
     claim_seconds: float
     pooled: bool
+    runtime_identity: str = ""
 
 
 def misses(wish: Wish, gpus: list[dict[str, Any]]) -> str | None:
@@ -197,7 +198,8 @@ def run(
         if failure is None:
             why = misses(wish, answer["gpus"])
             if why is None:
-                return Placed(host, answer["gpus"], claimed, step.pooled)
+                identity = answer.get("runtime_identity", "")
+                return Placed(host, answer["gpus"], claimed, step.pooled, identity)
             release(host, why)
             refused[host] = why
             continue

@@ -23,6 +23,7 @@ from vmsandbox.config import Config
 from vmsandbox.fleet.core import Fleet
 from vmsandbox.fleet.metrics import FleetMetrics
 from vmsandbox.fleet.service import FleetDriver
+from vmsandbox.openshell.admission import AdmissionPolicy
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.socket import PeerGate
 
@@ -52,7 +53,7 @@ def serve(
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
-    driver = FleetDriver(fleet)
+    driver = FleetDriver(fleet, AdmissionPolicy.from_config(config))
     private = Path(tempfile.mkdtemp(prefix="vmsandbox-fleet-"))
     backend = private / "grpc.sock"
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=_WORKERS))

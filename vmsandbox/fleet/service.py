@@ -26,6 +26,8 @@ import vmsandbox
 from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandboxError
 from vmsandbox.fleet import placement
 from vmsandbox.fleet.core import Fleet, FleetSandbox
+from vmsandbox.openshell import negotiation
+from vmsandbox.openshell.admission import AdmissionPolicy
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.request import DEFAULT_IMAGE
@@ -38,8 +40,9 @@ WATCH_TICK = 1.0  # seconds between two listings of the fleet for the watch stre
 class FleetDriver(pb_grpc.ComputeDriverServicer):
     """The compute-driver service of a whole fleet, for one gateway."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, admission: AdmissionPolicy) -> None:
         self.fleet = fleet
+        self.admission = admission
         self._watchers: list[queue.Queue[Any]] = []
         self._known: dict[str, bytes] = {}
         self._lock = threading.Lock()
@@ -66,12 +69,20 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
                 return sandbox
         raise NotFound(
             f"sandbox {name or sandbox_id!r} does not exist",
-            details={"sandbox_id": sandbox_id, "sandbox_name": name},
+            details={"sandbox_id": sandbox_id, "name": name},
         )
 
     # -- RPCs -------------------------------------------------------------------------------
 
     def GetCapabilities(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """As a host's driver answers (the gateway's metadata checked first), readiness being
+        the hosts' own; the admission policy is this server's config's, which must be the
+        hosts' too (docs/fleet.md)."""
+        self._call(
+            context,
+            "GetCapabilities",
+            lambda: negotiation.check_gateway(request.HasField("gateway"), request.gateway),
+        )
         return pb.GetCapabilitiesResponse(
             driver_name="vmsandbox",
             driver_version=vmsandbox.__version__,
@@ -86,10 +97,14 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
                     default_selection_supported=True, count_selection_supported=True
                 ),
             ),
+            rootfs_tar_staging_dir="",
+            rootfs_tar_max_bytes=0,
+            extension=negotiation.driver_metadata(),
+            resource_admission_policy=self.admission.acknowledgement(),
         )
 
     def AuthenticateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
-        def authenticate() -> str:
+        def authenticate() -> dict[str, Any]:
             if not request.credential:
                 raise InvalidArgument(
                     "credential is empty: give the sandbox token the sandbox holds",
@@ -100,14 +115,13 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
                     view.name, "authenticate", self.fleet.gateway, request.credential
                 )
                 if answer.get("sandbox_id"):
-                    return str(answer["sandbox_id"])
+                    return answer
             raise Unauthenticated("the credential is not the token of any sandbox here")
 
-        sandbox_id = self._call(context, "AuthenticateSandbox", authenticate)
-        return pb.AuthenticateSandboxResponse(sandbox_id=sandbox_id)
-
-    def GetGatewayListenerRequirements(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return pb.GetGatewayListenerRequirementsResponse()
+        found = self._call(context, "AuthenticateSandbox", authenticate)
+        return pb.AuthenticateSandboxResponse(
+            sandbox_id=found["sandbox_id"], runtime_identity=found["runtime_identity"]
+        )
 
     def ValidateSandboxCreate(self, request: Any, context: grpc.ServicerContext) -> Any:
         def validate() -> None:
@@ -121,16 +135,17 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
         return pb.ValidateSandboxCreateResponse()
 
     def CreateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
-        def create() -> None:
+        def create() -> str:
             placed = self.fleet.create(request.sandbox)
             log.info("sandbox %s created on host %s", request.sandbox.id, placed.host)
+            return placed.runtime_identity
 
-        self._call(context, "CreateSandbox", create)
-        return pb.CreateSandboxResponse()
+        identity = self._call(context, "CreateSandbox", create)
+        return pb.CreateSandboxResponse(runtime_identity=identity)
 
     def GetSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         found = self._call(
-            context, "GetSandbox", lambda: self._find(request.sandbox_id, request.sandbox_name)
+            context, "GetSandbox", lambda: self._find(request.sandbox_id, request.name)
         )
         return pb.GetSandboxResponse(sandbox=found.snapshot)
 
@@ -140,24 +155,24 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
 
     def StopSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def stop() -> None:
-            found = self._find(request.sandbox_id, request.sandbox_name)
-            self.fleet.power(found.sandbox_id, "stop")
+            found = self._find(request.sandbox_id, request.name)
+            self.fleet.power(found.sandbox_id, request)
 
         self._call(context, "StopSandbox", stop)
         return pb.StopSandboxResponse()
 
     def StartSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
-        def start() -> None:
-            found = self._find(request.sandbox_id, request.sandbox_name)
-            self.fleet.power(found.sandbox_id, "start")
+        def start() -> str:
+            found = self._find(request.sandbox_id, request.name)
+            return self.fleet.power(found.sandbox_id, request)
 
-        self._call(context, "StartSandbox", start)
-        return pb.StartSandboxResponse()
+        identity = self._call(context, "StartSandbox", start)
+        return pb.StartSandboxResponse(runtime_identity=identity)
 
     def DeleteSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def delete() -> bool:
             try:
-                found = self._find(request.sandbox_id, request.sandbox_name)
+                found = self._find(request.sandbox_id, request.name)
             except NotFound:
                 return False
             return self.fleet.delete(found.sandbox_id)

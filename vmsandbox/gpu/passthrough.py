@@ -38,7 +38,7 @@ What ``apply`` adds, and why:
   window settings above size; SeaBIOS, which GPU-less sandboxes boot too, for GPUs whose BARs
   together take at most ``SEABIOS_MAX_BAR_BYTES``: SeaBIOS places those in the 32-bit window
   below 4 GiB whatever the guest's RAM, boots faster, and keeps nested guests off an OVMF path
-  that crashes QEMU 7.2-10.0 under TCG with nested SVM (README, "The nested GPU host").
+  that crashes QEMU 7.2-10.0 under TCG with nested SVM (docs/nested-gpu-host.md).
   Real data-center GPUs have a 256 MiB BAR1 at the least, so ``auto`` gives them OVMF.
 - A ``<memtune><hard_limit>`` (``hard_limit_kib``) and no ``<memoryBacking><locked/>``: VFIO
   pins all guest RAM for device DMA anyway, and ``<locked/>`` makes QEMU mlockall, which locks

@@ -11,7 +11,9 @@ on the host by root only.
 - ``files`` are written with their mode and owner before any unit starts.
 - ``main`` (a command as a list of words) is run by MAIN_UNIT as the sandbox user, with the
   environment; its exit status is readable with ``systemctl show MAIN_UNIT``.
-- ``units`` are extra systemd units (name -> unit text), enabled and started at first boot.
+- ``units`` are extra systemd units (name -> unit text), started at first boot; with
+  ``autostart`` false they (and MAIN_UNIT) are only installed, for the caller to start (the
+  OpenShell driver starts them once it has resolved the workload's identity in the guest).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class GuestSetup:
     files: tuple[GuestFile, ...] = ()
     main: tuple[str, ...] = ()
     units: dict[str, str] = field(default_factory=dict)
+    autostart: bool = True
 
     def __post_init__(self) -> None:
         for key, value in self.environment.items():
@@ -94,13 +97,10 @@ class GuestSetup:
             files.append(_write(GuestFile(f"/etc/systemd/system/{name}", text)))
         if not units:
             return {"write_files": files}
-        return {
-            "write_files": files,
-            "runcmd": [
-                ["systemctl", "daemon-reload"],
-                ["systemctl", "start", "--no-block", *units],
-            ],
-        }
+        runcmd = [["systemctl", "daemon-reload"]]
+        if self.autostart:
+            runcmd.append(["systemctl", "start", "--no-block", *units])
+        return {"write_files": files, "runcmd": runcmd}
 
 
 def check_environment(key: object, value: object, what: str) -> None:
@@ -131,11 +131,16 @@ def systemd_quoted(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def exec_line(command: tuple[str, ...] | list[str]) -> str:
+    """``command`` as a unit's ExecStart value: systemd parses it like a shell line, so shlex
+    quoting survives it, with '%' and '$' escaped."""
+    return shlex.join(command).replace("%", "%%").replace("$", "$$")
+
+
 def _main_unit(command: tuple[str, ...], user: str) -> str:
     """The unit of the sandbox's main process: started once, never restarted, so its exit
     status stays readable (``systemctl show -p ExecMainStatus``)."""
-    # systemd parses ExecStart like a shell line; shlex quoting survives it, '%' and '$' escaped.
-    line = shlex.join(command).replace("%", "%%").replace("$", "$$")
+    line = exec_line(command)
     return (
         "[Unit]\nDescription=vmsandbox main process\nAfter=network-online.target\n\n"
         f"[Service]\nType=exec\nUser={user}\nEnvironmentFile={ENVIRONMENT_FILE}\n"

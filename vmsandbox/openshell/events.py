@@ -6,7 +6,8 @@ for lifecycle events (defined, started, stopped, undefined, ...) and metadata ch
 record SandboxManager rewrites when a sandbox becomes ready or fails). Each subscriber gets
 every event of a ``vmsbx-`` domain as a ``DomainEvent`` on its own queue. A lost connection
 (libvirtd restarted) is reopened by the loop thread; subscribers are then told to resend
-everything (an event with ``name`` None), since events in between were missed.
+everything (an event with ``name`` None), since events in between were missed. The driver
+announces changes libvirt does not see (a workload launched in the guest) with ``changed``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class EventSource(Protocol):
     def subscribe(self) -> queue.Queue[DomainEvent]: ...
 
     def unsubscribe(self, events: queue.Queue[DomainEvent]) -> None: ...
+
+    def changed(self, name: str) -> None: ...
 
 
 def _ensure_loop() -> None:
@@ -89,6 +92,10 @@ class DomainEvents:
     def unsubscribe(self, events: queue.Queue[DomainEvent]) -> None:
         with self._lock:
             self._subscribers.discard(events)
+
+    def changed(self, name: str) -> None:
+        """Tell every subscriber that the sandbox of domain ``vmsbx-NAME`` changed."""
+        self._publish(DomainEvent(name))
 
     def close(self) -> None:
         self._stop.set()

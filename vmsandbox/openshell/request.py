@@ -1,43 +1,76 @@
-"""An OpenShell DriverSandbox turned into vmsandbox's terms: the sandbox name, its SandboxSpec
-and what its guest receives.
+"""An OpenShell DriverSandbox turned into vmsandbox's terms: the sandbox name, its SandboxSpec,
+what its guest receives and how its workload is launched.
 
 - Name: ``DriverSandbox.name`` when it is a valid vmsandbox name, else ``os-`` and 16 hex
   digits of the SHA-256 of the gateway's sandbox id. The gateway's id, namespace and workspace
-  are kept as labels (ID_LABEL, NAMESPACE_LABEL, WORKSPACE_LABEL) in the domain metadata.
+  are kept as labels (ID_LABEL, NAMESPACE_LABEL, WORKSPACE_LABEL) in the domain metadata, with
+  a fresh incarnation (``identity.INCARNATION_LABEL``), the image's id (IMAGE_ID_LABEL) and the
+  launch labels (``launch.Workload``).
 - Image: ``template.image`` names a vmsandbox image; empty means DEFAULT_IMAGE. Anything else
   (an OCI reference, say) is INVALID_ARGUMENT naming the images this host has.
 - CPU and memory: ``template.resources`` Kubernetes quantities, the limit (else the request)
   rounded up; held to the host's caps by SandboxManager.
 - GPUs: ``resource_requirements.gpu`` and ``template.driver_config`` through
   ``vmsandbox.compat.openshell``. ``driver_config`` is this driver's own block, read with the
-  keys of OpenShell's VM driver block (``gpu_device_ids``), so a template moves over unchanged.
+  keys of OpenShell's VM driver block (``gpu_device_ids``), so a template moves over
+  unchanged; a non-empty one needs the operator's ``openshell_allow_driver_config``
+  (``admission``), else INVALID_ARGUMENT naming ``template.driver_config``.
+- Policy (``spec.policy``): its ``process`` user and group are honoured as the workload
+  identity; filesystem, Landlock, network and middleware sections are enforced by the OpenShell
+  supervisor in the guest, so without one configured a policy that sets any of them is
+  FAILED_PRECONDITION naming them.
+- Workload identity: ``workload_identity`` user and group (else the policy's, else the image's
+  sandbox user), names or numbers, never root; resolved in the guest at launch (``launch``).
+- ``await_main_process_attachment``: passed to the supervisor in the main process spec; a
+  client can only attach through the supervisor, so without one it is FAILED_PRECONDITION.
+- ``template.user_namespaces``: true runs the main process in a user namespace of its own
+  (systemd's PrivateUsers); with a supervisor, which starts the workload itself, true is
+  FAILED_PRECONDITION. Unset or false: no user namespace.
+- ``launch_authentication``: checked and split here (``launch.LaunchCredentials``), delivered
+  to the guest's memory at launch, never written to the seed or any host file.
 - Guest: the template's then the spec's environment, OPENSHELL_SANDBOX, OPENSHELL_SANDBOX_ID
   and OPENSHELL_LOG_LEVEL; the sandbox token written 0600 to TOKEN_PATH (named by
-  OPENSHELL_SANDBOX_TOKEN_FILE), never put in the environment; ``command`` as the main process.
-  ``tty`` has no meaning without the supervisor and is ignored. A request that gives the guest
-  none of these (``gives_guest_nothing``) and fits a ``[pool]`` shape claims a ready pooled
-  guest (service.py), which gets no environment: its identity is in the labels.
+  OPENSHELL_SANDBOX_TOKEN_FILE), never put in the environment; ``command`` as the main process
+  (OPENSHELL_MAIN_UNIT, as the workload user). ``tty`` has no meaning without the supervisor
+  and is ignored. Units are installed, not started: the launch starts them. A request that
+  gives the guest none of these (``gives_guest_nothing``) and fits a ``[pool]`` shape claims a
+  ready pooled guest (service.py), which gets no environment: its identity is in the labels.
 - Credential: a salted digest of the sandbox token (``vmsandbox.sandbox.credential``) goes into the
   record, so AuthenticateSandbox can tell which sandbox holds a token; the token does not.
 - With a supervisor (``vmsandbox.openshell.supervisor``), the guest also gets the supervisor,
-  and the command goes to it (OPENSHELL_MAIN_PROCESS_SPEC) instead of a vmsandbox unit.
+  and the command goes to it (OPENSHELL_MAIN_PROCESS_SPEC) instead of a main unit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format
 
 from vmsandbox.compat import openshell as compat
-from vmsandbox.errors import InvalidArgument
-from vmsandbox.guest.setup import GuestFile, GuestSetup, check_environment
+from vmsandbox.errors import FailedPrecondition, InvalidArgument
+from vmsandbox.guest.setup import (
+    ENVIRONMENT_FILE,
+    GuestFile,
+    GuestSetup,
+    check_environment,
+    exec_line,
+)
 from vmsandbox.openshell import quantity
+from vmsandbox.openshell.admission import AdmissionPolicy
+from vmsandbox.openshell.identity import INCARNATION_LABEL, new_incarnation
+from vmsandbox.openshell.launch import (
+    OPENSHELL_MAIN_UNIT,
+    LaunchCredentials,
+    Workload,
+    check_selector,
+)
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
-from vmsandbox.openshell.supervisor import Supervisor
+from vmsandbox.openshell.supervisor import SUPERVISOR_UNIT, Supervisor
 from vmsandbox.sandbox import credential
 from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.validate import validate_name
@@ -46,16 +79,18 @@ DEFAULT_IMAGE = "minimal"
 ID_LABEL = "openshell.sandbox-id"
 NAMESPACE_LABEL = "openshell.namespace"
 WORKSPACE_LABEL = "openshell.workspace"
+IMAGE_ID_LABEL = "openshell.image-id"
 TOKEN_PATH = "/etc/openshell/sandbox-token"
 _SECRET_ENV = ("OPENSHELL_SANDBOX_TOKEN", "OPENSHELL_SANDBOX_TOKEN_FILE")
 
 
 @dataclass(frozen=True)
 class Translated:
-    """A DriverSandbox in vmsandbox's terms."""
+    """A DriverSandbox in vmsandbox's terms, with its launch credentials (kept in memory)."""
 
     name: str
     spec: SandboxSpec
+    credentials: LaunchCredentials | None = None
 
 
 def sandbox_name(name: str, sandbox_id: str) -> str:
@@ -64,22 +99,32 @@ def sandbox_name(name: str, sandbox_id: str) -> str:
         return validate_name(name)
     if not sandbox_id and not name:
         raise InvalidArgument(
-            "the request names no sandbox: give sandbox_name or sandbox_id",
-            details={"field": "sandbox_name"},
+            "the request names no sandbox: give name or sandbox_id",
+            details={"field": "name"},
         )
     return "os-" + hashlib.sha256((sandbox_id or name).encode()).hexdigest()[:16]
 
 
 def translate(
-    sandbox: pb.DriverSandbox, images: list[str], supervisor: Supervisor | None = None
+    sandbox: pb.DriverSandbox,
+    images: Mapping[str, str],
+    supervisor: Supervisor | None = None,
+    *,
+    admission: AdmissionPolicy | None = None,
+    default_user: str = "sandbox",
 ) -> Translated:
-    """The name and spec of ``sandbox``; ``images`` are the names this host can boot."""
+    """The name, spec and launch of ``sandbox``; ``images`` maps the names of the images this
+    host can boot to their ids."""
     if not sandbox.id:
         raise InvalidArgument(
             "sandbox.id is empty: the gateway always sets it", details={"field": "id"}
         )
+    spec = sandbox.spec
+    template = spec.template
+    (admission or AdmissionPolicy()).check_driver_config(
+        template.driver_config if template.HasField("driver_config") else None
+    )
     name = sandbox_name(sandbox.name, sandbox.id)
-    template = sandbox.spec.template
     image = template.image or DEFAULT_IMAGE
     if image not in images:
         raise InvalidArgument(
@@ -97,9 +142,32 @@ def translate(
         "template.resources.memory",
         SandboxSpec.memory_mib,
     )
+    _check_policy(spec, supervisor)
+    private_users = _user_namespaces(template, supervisor)
+    if spec.await_main_process_attachment and supervisor is None:
+        raise FailedPrecondition(
+            "await_main_process_attachment: a client attaches to the main process through the "
+            "OpenShell supervisor in the guest, and this host runs none (config "
+            "openshell_supervisor)",
+            details={"field": "await_main_process_attachment"},
+        )
+    credentials = (
+        LaunchCredentials.parse(spec.launch_authentication, "launch_authentication")
+        if spec.launch_authentication
+        else None
+    )
+    guest, workload = _guest(sandbox, name, supervisor, default_user, private_users)
     labels = dict(template.labels)
-    labels.update({ID_LABEL: sandbox.id, NAMESPACE_LABEL: sandbox.namespace})
-    labels[WORKSPACE_LABEL] = sandbox.workspace
+    labels.update(workload.labels())
+    labels.update(
+        {
+            ID_LABEL: sandbox.id,
+            NAMESPACE_LABEL: sandbox.namespace,
+            WORKSPACE_LABEL: sandbox.workspace,
+            INCARNATION_LABEL: new_incarnation(),
+            IMAGE_ID_LABEL: images[image],
+        }
+    )
     return Translated(
         name=name,
         spec=SandboxSpec(
@@ -109,13 +177,10 @@ def translate(
             memory_mib=memory,
             gpu=compat.gpu_request(_compat_view(sandbox)),
             labels=labels,
-            guest=_guest(sandbox, name, supervisor),
-            credential=(
-                credential.digest(sandbox.spec.sandbox_token)
-                if sandbox.spec.sandbox_token
-                else None
-            ),
+            guest=guest,
+            credential=credential.digest(spec.sandbox_token) if spec.sandbox_token else None,
         ),
+        credentials=credentials,
     )
 
 
@@ -129,7 +194,64 @@ def gives_guest_nothing(sandbox: pb.DriverSandbox) -> bool:
         or spec.template.environment
         or spec.sandbox_token
         or spec.log_level
+        or spec.launch_authentication
+        or spec.HasField("workload_identity")
+        or spec.HasField("policy")
     )
+
+
+def _check_policy(spec: pb.DriverSandboxSpec, supervisor: Supervisor | None) -> None:
+    """FAILED_PRECONDITION for policy sections only the supervisor enforces, when there is
+    none (see the module docstring)."""
+    if supervisor is not None or not spec.HasField("policy"):
+        return
+    policy = spec.policy
+    found = [
+        section
+        for section, message in (("filesystem", policy.filesystem), ("landlock", policy.landlock))
+        if policy.HasField(section) and message.ByteSize()
+    ]
+    for section in ("network_policies", "network_middlewares"):
+        entries = getattr(policy, section)
+        if entries:
+            found.append(f"{section} ({', '.join(sorted(entries))})")
+    if found:
+        raise FailedPrecondition(
+            f"policy sets {'; '.join(found)}, which vmsandbox enforces only through the "
+            "OpenShell supervisor in the guest, and this host runs none (config "
+            "openshell_supervisor); policy.process (the workload's user and group) is honoured",
+            details={"field": "policy", "sections": found},
+        )
+
+
+def _user_namespaces(template: pb.DriverSandboxTemplate, supervisor: Supervisor | None) -> bool:
+    if not (template.HasField("user_namespaces") and template.user_namespaces):
+        return False
+    if supervisor is not None:
+        raise FailedPrecondition(
+            "template.user_namespaces: the OpenShell supervisor starts the workload in this "
+            "host's guests, and vmsandbox cannot give it a user namespace; leave it unset",
+            details={"field": "template.user_namespaces"},
+        )
+    return True
+
+
+def _workload(
+    spec: pb.DriverSandboxSpec, default_user: str, units: tuple[str, ...], restart: tuple[str, ...]
+) -> Workload:
+    wanted, process = spec.workload_identity, spec.policy.process
+    if wanted.user:
+        user, source = check_selector(wanted.user, "workload_identity.user"), "workload_identity"
+    elif process.run_as_user:
+        user, source = check_selector(process.run_as_user, "policy.process.run_as_user"), "policy"
+    else:
+        user, source = default_user, "image"
+    group = ""
+    if wanted.group:
+        group = check_selector(wanted.group, "workload_identity.group")
+    elif process.run_as_group:
+        group = check_selector(process.run_as_group, "policy.process.run_as_group")
+    return Workload(user, group, source, units, restart)
 
 
 def _compat_view(sandbox: pb.DriverSandbox) -> dict[str, Any]:
@@ -147,7 +269,13 @@ def _compat_view(sandbox: pb.DriverSandbox) -> dict[str, Any]:
     return view
 
 
-def _guest(sandbox: pb.DriverSandbox, name: str, supervisor: Supervisor | None) -> GuestSetup:
+def _guest(
+    sandbox: pb.DriverSandbox,
+    name: str,
+    supervisor: Supervisor | None,
+    default_user: str,
+    private_users: bool,
+) -> tuple[GuestSetup, Workload]:
     spec = sandbox.spec
     environment: dict[str, str] = {}
     for what, given in (
@@ -165,7 +293,40 @@ def _guest(sandbox: pb.DriverSandbox, name: str, supervisor: Supervisor | None) 
     if spec.sandbox_token:
         files.append(GuestFile(TOKEN_PATH, spec.sandbox_token, mode="0600"))
         environment["OPENSHELL_SANDBOX_TOKEN_FILE"] = TOKEN_PATH
-    if supervisor is None:
-        return GuestSetup(environment=environment, files=tuple(files), main=tuple(spec.command))
-    more, units = supervisor.guest_parts(environment, tuple(spec.command), spec.tty)
-    return GuestSetup(environment=environment, files=(*files, *more), units=units)
+    if supervisor is not None:
+        more, units = supervisor.guest_parts(
+            environment, tuple(spec.command), spec.tty, spec.await_main_process_attachment
+        )
+        workload = _workload(spec, default_user, (SUPERVISOR_UNIT,), (SUPERVISOR_UNIT,))
+        setup = GuestSetup(
+            environment=environment, files=(*files, *more), units=units, autostart=False
+        )
+        return setup, workload
+    names = (OPENSHELL_MAIN_UNIT,) if spec.command else ()
+    workload = _workload(spec, default_user, names, ())
+    units = {OPENSHELL_MAIN_UNIT: _main_unit(tuple(spec.command), workload, private_users)}
+    setup = GuestSetup(
+        environment=environment,
+        files=tuple(files),
+        units=units if spec.command else {},
+        autostart=False,
+    )
+    return setup, workload
+
+
+def _main_unit(command: tuple[str, ...], workload: Workload, private_users: bool) -> str:
+    """The unit of the sandbox's main process: as the workload's user and group, started by
+    the launch, never restarted, so its exit status stays readable."""
+    service = [
+        "Type=exec",
+        f"User={workload.user}",
+        *([f"Group={workload.group}"] if workload.group else []),
+        *(["PrivateUsers=yes"] if private_users else []),
+        f"EnvironmentFile={ENVIRONMENT_FILE}",
+        "WorkingDirectory=-~",  # a user without a home (nobody) starts in /
+        f"ExecStart={exec_line(command)}",
+    ]
+    return (
+        "[Unit]\nDescription=OpenShell sandbox main process\nAfter=network-online.target\n\n"
+        "[Service]\n" + "".join(f"{line}\n" for line in service)
+    )

@@ -75,7 +75,7 @@ def serve(
         server.start()
         gate = PeerGate(Path(socket_path), backend, frozenset(config.openshell_allowed_uids))
         gate.start()
-        driver.resume_tunnels()
+        driver.resume()
         log.info("serving the OpenShell compute driver on %s", socket_path)
         stop.wait()
         log.info("stopping")

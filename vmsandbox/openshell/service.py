@@ -1,21 +1,32 @@
-"""The ``openshell.compute.v1.ComputeDriver`` RPCs, each mapped onto SandboxManager.
+"""The ``openshell.compute.v1.ComputeDriver`` RPCs of OpenShell v0.1, each mapped onto
+SandboxManager.
 
+- GetCapabilities negotiates the extension protocol (``negotiation``) and states the
+  operator's resource admission policy (``admission``).
 - CreateSandbox defines the sandbox (GPUs chosen under the host lock), starts it and returns
-  (a request that gives the guest nothing, of a ``[pool]`` shape, claims a ready pooled guest
-  instead, when there is one);
-  a background thread then waits for SSH and the in-guest GPU check (``SandboxManager.wait``),
-  whose outcome reaches the gateway as a snapshot on the watch stream. A start that libvirt
-  refuses (a GPU that cannot be passed through) removes the sandbox before the error returns.
-- Stop/Start map to ``SandboxManager.stop/start`` (disk and GPUs kept); Delete is idempotent
-  (``deleted`` false when nothing was there).
+  its runtime identity (``identity``); a background thread then waits for SSH and the in-guest
+  GPU check (``SandboxManager.wait``) and launches the workload (``launch``), whose outcome
+  reaches the gateway as a snapshot on the watch stream. A start that libvirt refuses (a GPU
+  that cannot be passed through) removes the sandbox before the error returns. A request that
+  gives the guest nothing, of a ``[pool]`` shape, claims a ready pooled guest instead when
+  there is one (it has no workload to launch).
+- Stop/Start map to ``SandboxManager.stop/start`` (disk and GPUs kept). Start first checks
+  ``expected_runtime_identity``, records ``generation_id`` and returns the new runtime
+  identity; its launch credentials go to the guest at the launch that follows the boot.
+  Delete is idempotent (``deleted`` false when nothing was there).
+- Launch credentials wait in this process's memory until the guest is ready, never on disk
+  (``launches``); a ``vmsandbox serve`` restarted meanwhile has lost them and the gateway's
+  next start brings fresh ones. A launch that fails is reported as the sandbox's Ready
+  condition (LaunchFailed).
 - WatchSandboxes sends every current sandbox, then one snapshot per libvirt event of a sandbox
   (``events.DomainEvents``) and a deleted event when its domain is undefined.
 - With a supervisor configured, every ready sandbox gets an SSH tunnel to the gateway
   (``tunnel.GatewayTunnels``).
 - EnsureWorkspace/DeleteWorkspace succeed with nothing to do: a vmsandbox host has no
   workspace-level resources.
-- AuthenticateSandbox answers the gateway id of the sandbox whose token the credential is,
-  matched against the salted digest in each record (``vmsandbox.sandbox.credential``).
+- AuthenticateSandbox answers the gateway id and runtime identity of the sandbox whose token
+  the credential is, matched against the salted digest in each record
+  (``vmsandbox.sandbox.credential``).
 - Every condition carries the time it last changed (``transitions.Transitions``).
 
 vmsandbox errors keep their code: ``err.code`` is already a gRPC status code name.
@@ -36,17 +47,23 @@ import grpc
 import vmsandbox
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandboxError
+from vmsandbox.openshell import negotiation
+from vmsandbox.openshell.admission import AdmissionPolicy
 from vmsandbox.openshell.events import DomainEvent, EventSource
+from vmsandbox.openshell.identity import RuntimeIdentity, check_generation_id
+from vmsandbox.openshell.launch import WORKLOAD_LABELS, LaunchCredentials
+from vmsandbox.openshell.launches import Launches
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.request import (
     DEFAULT_IMAGE,
     ID_LABEL,
+    Translated,
     gives_guest_nothing,
     sandbox_name,
     translate,
 )
-from vmsandbox.openshell.status import MAIN_QUERY, MainProcess, main_process, snapshot
+from vmsandbox.openshell.status import GUEST_QUERY, GuestState, guest_state, snapshot
 from vmsandbox.openshell.supervisor import Supervisor
 from vmsandbox.openshell.transitions import Transitions
 from vmsandbox.openshell.tunnel import GatewayTunnels
@@ -54,11 +71,12 @@ from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.pool import fits
 from vmsandbox.sandbox.record import DOMAIN_PREFIX, STATE_READY
+from vmsandbox.sandbox.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _WATCH_TICK = 1.0  # seconds between checks that a watching gateway is still there
-_MAIN_QUERY_TIMEOUT = 20.0  # seconds for reading the main process's state over SSH
+_GUEST_QUERY_TIMEOUT = 20.0  # seconds for reading the guest's state over SSH
 
 
 class ComputeDriver(pb_grpc.ComputeDriverServicer):
@@ -76,6 +94,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         self.events = events
         self._new_manager = manager or (lambda: SandboxManager(self.config, reconcile=False))
         self.transitions = Transitions()
+        self.admission = AdmissionPolicy.from_config(config)  # one the gateway refuses stops us
         self.supervisor = Supervisor.from_config(config)
         self.tunnels = (
             GatewayTunnels(self._manager, self.supervisor.port) if self.supervisor else None
@@ -84,6 +103,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         # named after its sandbox, and an undefined domain's record cannot be read any more)
         self._ids: dict[str, str] = {}
         self._ids_lock = threading.Lock()
+        self.launches = Launches(self._manager, self.events.changed)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -105,18 +125,36 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
 
     def _snapshot(self, manager: SandboxManager, sandbox: Sandbox) -> pb.DriverSandbox:
         self._remember(sandbox)
-        return self.transitions.stamp(snapshot(sandbox, self._main_process(manager, sandbox)))
+        snap = snapshot(
+            sandbox,
+            self._guest_state(manager, sandbox),
+            launch_failure=self.launches.failure(sandbox.domain),
+            network=self.config.network,
+        )
+        return self.transitions.stamp(snap)
 
-    def _main_process(self, manager: SandboxManager, sandbox: Sandbox) -> MainProcess | None:
-        """The state of a ready sandbox's main process, read over SSH; None when it has none
-        or the guest does not answer right now (the condition is then left out)."""
+    def _guest_state(self, manager: SandboxManager, sandbox: Sandbox) -> GuestState | None:
+        """The main process and launched identity of a ready sandbox, read over SSH; None when
+        the guest does not answer right now (the conditions then leave them out)."""
         if sandbox.state != STATE_READY or sandbox.ssh is None:
             return None
         try:
-            shown = manager.exec(sandbox.name, MAIN_QUERY, timeout=_MAIN_QUERY_TIMEOUT)
+            shown = manager.exec(sandbox.name, GUEST_QUERY, timeout=_GUEST_QUERY_TIMEOUT)
         except VmSandboxError:
             return None
-        return main_process(shown.stdout)
+        return guest_state(shown.stdout)
+
+    def _images(self, manager: SandboxManager) -> dict[str, str]:
+        return {image.name: image.id for image in manager.images.list()}
+
+    def _translate(self, manager: SandboxManager, sandbox: pb.DriverSandbox) -> Translated:
+        return translate(
+            sandbox,
+            self._images(manager),
+            self.supervisor,
+            admission=self.admission,
+            default_user=self.config.ssh_user,
+        )
 
     def _ours(self, manager: SandboxManager) -> list[Sandbox]:
         """The sandboxes this driver made (those carrying a gateway id)."""
@@ -132,18 +170,21 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
                 return sandbox
         raise NotFound(
             f"sandbox {name or sandbox_id!r} does not exist",
-            details={"sandbox_id": sandbox_id, "sandbox_name": name},
+            details={"sandbox_id": sandbox_id, "name": name},
         )
 
-    def _become_ready(self, name: str) -> None:
-        """In the background: wait for SSH and the GPU check; the outcome lands in the
-        domain's record, which libvirt announces to the watchers."""
+    def _become_ready(self, name: str, *, wait: bool = True) -> None:
+        """In the background: wait for SSH and the GPU check (``wait``), then launch the
+        workload; the outcome lands in the domain's record, which libvirt announces to the
+        watchers, or, for the launch, in the snapshots (``events.changed`` tells them)."""
 
         def run() -> None:
             try:
-                with self._manager() as manager:
-                    manager.wait(name)
-                log.info("sandbox %s is ready", name)
+                if wait:
+                    with self._manager() as manager:
+                        manager.wait(name)
+                    log.info("sandbox %s is ready", name)
+                self.launches.launch(name)
                 if self.tunnels is not None:
                     self.tunnels.ensure(name)
             except VmSandboxError as exc:
@@ -151,15 +192,13 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
 
         threading.Thread(target=run, name=f"ready-{name}", daemon=True).start()
 
-    def resume_tunnels(self) -> None:
-        """At start: a tunnel into every running sandbox of ours (a supervisor in each dials
-        the gateway through it)."""
-        if self.tunnels is None:
-            return
+    def resume(self) -> None:
+        """At start: launch every ready sandbox of ours (a no-op in a guest launched this
+        boot) and open a tunnel into it (a supervisor in each dials the gateway through it)."""
         with self._manager() as manager:
-            for sandbox in self._ours(manager):
-                if sandbox.state == STATE_READY:
-                    self.tunnels.ensure(sandbox.name)
+            ready = [s.name for s in self._ours(manager) if s.state == STATE_READY]
+        for name in ready:
+            self._become_ready(name, wait=False)
 
     def close(self) -> None:
         if self.tunnels is not None:
@@ -168,10 +207,17 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     # -- RPCs ---------------------------------------------------------------------------------
 
     def GetCapabilities(self, request: Any, context: grpc.ServicerContext) -> Any:
-        """Readiness is vmsandbox's own (SSH answered, GPUs verified) unless a supervisor is
-        configured: the gateway then also waits for the supervisor to call back. CPU and
-        memory limits, a GPU count and a GPU request without one (vmsandbox picks) are all
-        honoured. Authentication: a sandbox's token identifies it (AuthenticateSandbox)."""
+        """The gateway is checked first (``negotiation``). Readiness is vmsandbox's own (SSH
+        answered, GPUs verified, workload launched) unless a supervisor is configured: the
+        gateway then also waits for the supervisor to call back. CPU and memory limits, a GPU
+        count and a GPU request without one (vmsandbox picks) are all honoured; rootfs tar
+        sources are not (no staging directory, size 0). Authentication: a sandbox's token
+        identifies it (AuthenticateSandbox), bound to its runtime identity."""
+        self._call(
+            context,
+            "GetCapabilities",
+            lambda: negotiation.check_gateway(request.HasField("gateway"), request.gateway),
+        )
         return pb.GetCapabilitiesResponse(
             driver_name="vmsandbox",
             driver_version=vmsandbox.__version__,
@@ -186,86 +232,79 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
                     default_selection_supported=True, count_selection_supported=True
                 ),
             ),
+            rootfs_tar_staging_dir="",
+            rootfs_tar_max_bytes=0,
+            extension=negotiation.driver_metadata(),
+            resource_admission_policy=self.admission.acknowledgement(),
         )
 
     def AuthenticateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
-        """The gateway id of the sandbox whose token ``credential`` is. The credential is a
-        secret: no message, log line or error detail repeats it."""
+        """The gateway id and runtime identity of the sandbox whose token ``credential`` is.
+        The credential is a secret: no message, log line or error detail repeats it."""
 
-        def authenticate() -> str:
+        def authenticate() -> tuple[str, str]:
             if not request.credential:
                 raise InvalidArgument(
                     "credential is empty: give the sandbox token the sandbox holds",
                     details={"field": "credential"},
                 )
             with self._manager() as manager:
-                found = manager.holder(request.credential)
+                found = manager.store.holder(request.credential)
             sandbox_id = found.labels.get(ID_LABEL) if found is not None else None
-            if not sandbox_id:
+            if found is None or not sandbox_id:
                 raise Unauthenticated("the credential is not the token of any sandbox here")
-            return sandbox_id
+            return sandbox_id, str(RuntimeIdentity.of(found))
 
-        sandbox_id = self._call(context, "AuthenticateSandbox", authenticate)
-        return pb.AuthenticateSandboxResponse(sandbox_id=sandbox_id)
-
-    def GetGatewayListenerRequirements(self, request: Any, context: grpc.ServicerContext) -> Any:
-        """With a supervisor, its guests dial the gateway through this driver's SSH tunnels,
-        which open the host's loopback: ask for a loopback listener. Without one, nothing
-        dials the gateway."""
-        if self.supervisor is None:
-            return pb.GetGatewayListenerRequirementsResponse()
-        reason = (
-            "vmsandbox guests reach the gateway through SSH tunnels that end at "
-            f"127.0.0.1:{self.supervisor.port}"
-        )
-        return pb.GetGatewayListenerRequirementsResponse(
-            requirements=[
-                pb.GatewayListenerRequirement(
-                    reason=reason, loopback_interface=pb.GatewayLoopbackInterfaceRequirement()
-                )
-            ]
-        )
+        sandbox_id, identity = self._call(context, "AuthenticateSandbox", authenticate)
+        return pb.AuthenticateSandboxResponse(sandbox_id=sandbox_id, runtime_identity=identity)
 
     def ValidateSandboxCreate(self, request: Any, context: grpc.ServicerContext) -> Any:
         def validate() -> None:
             with self._manager() as manager:
-                images = [image.name for image in manager.images.list()]
-                manager.dry_run(translate(request.sandbox, images, self.supervisor).spec)
+                manager.dry_run(self._translate(manager, request.sandbox).spec)
 
         self._call(context, "ValidateSandboxCreate", validate)
         return pb.ValidateSandboxCreateResponse()
 
     def CreateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
-        def create() -> None:
+        def create() -> str:
             with self._manager() as manager:
-                images = [image.name for image in manager.images.list()]
-                wanted = translate(request.sandbox, images, self.supervisor)
-                bare = replace(wanted.spec, guest=None)
+                wanted = self._translate(manager, request.sandbox)
+                bare = _pooled(wanted)
                 if gives_guest_nothing(request.sandbox) and any(
                     fits(shape, bare) for shape in manager.config.pool
                 ):
                     # a ready pooled guest of the shape is claimed, else it boots cold; a
                     # failure undoes everything either way
-                    self._remember(manager.create(bare, wait=False))
+                    sandbox = manager.create(bare, wait=False)
+                    self._remember(sandbox)
                 else:
                     sandbox = manager.create(wanted.spec, start=False)
                     self._remember(sandbox)
+                    credentials = wanted.credentials
                     try:
+                        if credentials is not None and credentials.runtime_generation:
+                            sandbox = manager.set_generation(
+                                wanted.name, credentials.runtime_generation
+                            )
+                        self.launches.hold(sandbox.domain, credentials)
                         manager.start(wanted.name, wait=False)
                     except VmSandboxError:
+                        self.launches.drop(sandbox.domain)
                         with contextlib.suppress(VmSandboxError):
                             manager.destroy(wanted.name)
                         raise
             log.info("sandbox %s (%s) started", wanted.name, request.sandbox.id)
             self._become_ready(wanted.name)
+            return str(RuntimeIdentity.of(sandbox))
 
-        self._call(context, "CreateSandbox", create)
-        return pb.CreateSandboxResponse()
+        identity = self._call(context, "CreateSandbox", create)
+        return pb.CreateSandboxResponse(runtime_identity=identity)
 
     def GetSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def get() -> pb.DriverSandbox:
             with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id, request.sandbox_name)
+                found = self._find(manager, request.sandbox_id, request.name)
                 return self._snapshot(manager, found)
 
         return pb.GetSandboxResponse(sandbox=self._call(context, "GetSandbox", get))
@@ -280,33 +319,52 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def StopSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def stop() -> None:
             with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id, request.sandbox_name)
+                found = self._find(manager, request.sandbox_id, request.name)
                 manager.stop(found.name)
 
         self._call(context, "StopSandbox", stop)
         return pb.StopSandboxResponse()
 
     def StartSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
-        def start() -> None:
-            with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id, request.sandbox_name)
-                started = manager.start(found.name, wait=False)
-            if started.state != "ready":
-                self._become_ready(found.name)
+        """Checks ``expected_runtime_identity`` and the launch credentials before starting
+        anything; records ``generation_id``; answers the runtime identity after the start."""
 
-        self._call(context, "StartSandbox", start)
-        return pb.StartSandboxResponse()
+        def start() -> str:
+            with self._manager() as manager:
+                found = self._find(manager, request.sandbox_id, request.name)
+                RuntimeIdentity.of(found).check_start(
+                    request.expected_runtime_identity, request.generation_id
+                )
+                generation = request.generation_id and check_generation_id(request.generation_id)
+                credentials = (
+                    LaunchCredentials.parse(request.launch_authentication, "launch_authentication")
+                    if request.launch_authentication
+                    else None
+                )
+                self.launches.restart(found.domain, credentials)
+                started = manager.start(found.name, wait=False)
+                if generation and generation != started.generation:
+                    started = manager.set_generation(found.name, generation)
+            if started.state != STATE_READY:
+                self._become_ready(found.name)
+            elif credentials is not None:
+                self._become_ready(found.name, wait=False)
+            return str(RuntimeIdentity.of(started))
+
+        identity = self._call(context, "StartSandbox", start)
+        return pb.StartSandboxResponse(runtime_identity=identity)
 
     def DeleteSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def delete() -> bool:
             with self._manager() as manager:
                 try:
-                    found = self._find(manager, request.sandbox_id, request.sandbox_name)
+                    found = self._find(manager, request.sandbox_id, request.name)
                 except NotFound:
                     return False
                 self._remember(found)
                 manager.destroy(found.name)
             self.transitions.forget(found.domain)
+            self.launches.forget(found.domain)
             log.info("sandbox %s deleted", found.name)
             return True
 
@@ -365,6 +423,13 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             return
         if snap is not None:
             yield _sandbox_event(snap)
+
+
+def _pooled(wanted: Translated) -> SandboxSpec:
+    """The spec of ``wanted`` as a pooled guest serves it: no guest setup and no workload to
+    launch (the request gave the guest nothing); the identity stays in the labels."""
+    labels = {k: v for k, v in wanted.spec.labels.items() if k not in WORKLOAD_LABELS}
+    return replace(wanted.spec, guest=None, labels=labels)
 
 
 def _sandbox_event(sandbox: pb.DriverSandbox) -> Any:

@@ -1,5 +1,5 @@
-"""A vmsandbox sandbox as an OpenShell DriverSandbox snapshot: name, labels and the conditions
-the gateway derives its phase from.
+"""A sandbox as an OpenShell DriverSandbox snapshot: name, labels, the conditions the gateway
+derives its phase from, the resolved workload identity and the fence evidence.
 
 Conditions (the gateway reads Suspended first, then the first Ready condition):
 
@@ -7,23 +7,42 @@ Conditions (the gateway reads Suspended first, then the first Ready condition):
 - creating, defined or starting: Ready=False, reason Starting (transient: Provisioning).
 - failed (the guest did not come up): Ready=False, reason BootFailed, with vmsandbox's message.
 - ready with a failed in-guest GPU verification: Ready=False, reason VerificationFailed.
-- ready: Ready=True, reason SandboxReady: SSH answered and the GPUs passed the check.
+- ready, but the workload launch failed (``launch``): Ready=False, reason LaunchFailed.
+- ready, the guest answering and the workload not launched yet: Ready=False, reason Starting.
+- ready: Ready=True, reason SandboxReady: SSH answered, the GPUs passed the check and the
+  workload was launched.
 - with a main command: MainProcess, True while it runs (reason Running), False once it
-  exited (reason Exited, the status in the message); given when ``main`` is known, which the
-  service reads from the guest (``MAIN_QUERY``) while the sandbox is ready.
+  exited (reason Exited, the status in the message); given when the guest state is known,
+  which the service reads from the guest (``GUEST_QUERY``) while the sandbox is ready.
+
+``resolved_identity`` is the identity the launch resolved in the guest (uid, gid, sorted
+supplementary gids, the source of its selectors, the image's id); ``fence_evidence`` and the
+runtime identity are ``identity``'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vmsandbox.guest.setup import MAIN_UNIT
+from vmsandbox.openshell.identity import RuntimeIdentity
+from vmsandbox.openshell.launch import (
+    IDENTITY_PATH,
+    OPENSHELL_MAIN_UNIT,
+    SOURCE_LABEL,
+    Resolved,
+    Workload,
+    key_values,
+    read_identity,
+)
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
-from vmsandbox.openshell.request import ID_LABEL, NAMESPACE_LABEL, WORKSPACE_LABEL
+from vmsandbox.openshell.request import ID_LABEL, IMAGE_ID_LABEL, NAMESPACE_LABEL, WORKSPACE_LABEL
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.record import STATE_FAILED, STATE_READY
 
-MAIN_QUERY = f"systemctl show -p LoadState -p ActiveState -p ExecMainStatus {MAIN_UNIT}"
+GUEST_QUERY = (
+    f"systemctl show -p LoadState -p ActiveState -p ExecMainStatus {OPENSHELL_MAIN_UNIT}; "
+    f"cat {IDENTITY_PATH} 2>/dev/null; true"
+)
 
 
 @dataclass(frozen=True)
@@ -34,9 +53,23 @@ class MainProcess:
     exit_status: int | None = None
 
 
-def main_process(show: str) -> MainProcess | None:
-    """The main process as ``MAIN_QUERY``'s output tells it; None when the sandbox has none."""
-    fields = dict(line.split("=", 1) for line in show.splitlines() if "=" in line)
+@dataclass(frozen=True)
+class GuestState:
+    """What GUEST_QUERY found: the main process (None: the sandbox has none) and the
+    identity the launch resolved (None: not launched yet this boot)."""
+
+    main: MainProcess | None = None
+    identity: Resolved | None = None
+
+
+def guest_state(shown: str) -> GuestState:
+    """The guest's state as GUEST_QUERY's output tells it."""
+    fields = key_values(shown)
+    return GuestState(main_process(fields), read_identity(fields))
+
+
+def main_process(fields: dict[str, str]) -> MainProcess | None:
+    """The main process from ``systemctl show`` fields; None when the sandbox has none."""
     if fields.get("LoadState") != "loaded":
         return None
     if fields.get("ActiveState") in ("active", "activating", "reloading"):
@@ -45,23 +78,45 @@ def main_process(show: str) -> MainProcess | None:
     return MainProcess(running=False, exit_status=int(status) if status.isdigit() else None)
 
 
-def snapshot(sandbox: Sandbox, main: MainProcess | None = None) -> pb.DriverSandbox:
-    """The DriverSandbox the gateway sees for ``sandbox``."""
+def snapshot(
+    sandbox: Sandbox,
+    guest: GuestState | None = None,
+    *,
+    launch_failure: str | None = None,
+    network: str = "user",
+) -> pb.DriverSandbox:
+    """The DriverSandbox the gateway sees for ``sandbox``; ``guest`` is None when the guest was
+    not asked (or did not answer), ``launch_failure`` the reason its launch failed."""
     labels = sandbox.labels
+    identity = RuntimeIdentity.of(sandbox)
+    status = pb.DriverSandboxStatus(
+        name=sandbox.name,
+        instance_id=sandbox.domain,
+        conditions=conditions(sandbox, guest, launch_failure),
+        fence_evidence=identity.fence_evidence(sandbox, network),
+    )
+    if guest is not None and guest.identity is not None:
+        status.resolved_identity.CopyFrom(
+            pb.ResolvedWorkloadIdentity(
+                uid=guest.identity.uid,
+                gid=guest.identity.gid,
+                supplementary_gids=list(guest.identity.supplementary),
+                source=labels.get(SOURCE_LABEL, "image"),
+                resource_digest=labels.get(IMAGE_ID_LABEL, sandbox.image),
+            )
+        )
     return pb.DriverSandbox(
         id=labels.get(ID_LABEL, ""),
         name=sandbox.name,
         namespace=labels.get(NAMESPACE_LABEL, ""),
         workspace=labels.get(WORKSPACE_LABEL, ""),
-        status=pb.DriverSandboxStatus(
-            sandbox_name=sandbox.name,
-            instance_id=sandbox.domain,
-            conditions=conditions(sandbox, main),
-        ),
+        status=status,
     )
 
 
-def conditions(sandbox: Sandbox, main: MainProcess | None = None) -> list[pb.DriverCondition]:
+def conditions(
+    sandbox: Sandbox, guest: GuestState | None = None, launch_failure: str | None = None
+) -> list[pb.DriverCondition]:
     """The conditions of ``sandbox`` (see the module docstring)."""
     if sandbox.state == "stopped":
         return [
@@ -69,6 +124,7 @@ def conditions(sandbox: Sandbox, main: MainProcess | None = None) -> list[pb.Dri
             _condition("Ready", False, "Stopped", "the sandbox's VM is shut off"),
         ]
     found: list[pb.DriverCondition] = []
+    launched = Workload.of(sandbox.labels) is None or guest is None or guest.identity is not None
     if sandbox.state == STATE_FAILED:
         failure = sandbox.failure or {}
         found.append(
@@ -86,8 +142,13 @@ def conditions(sandbox: Sandbox, main: MainProcess | None = None) -> list[pb.Dri
         found.append(
             _condition("Ready", False, "VerificationFailed", problems or "GPU check failed")
         )
+    elif launch_failure is not None:
+        found.append(_condition("Ready", False, "LaunchFailed", launch_failure))
+    elif not launched:
+        found.append(_condition("Ready", False, "Starting", "launching the workload"))
     else:
         found.append(_condition("Ready", True, "SandboxReady", "SSH answers; GPUs verified"))
+    main = guest.main if guest is not None else None
     if main is not None:
         if main.running:
             found.append(_condition("MainProcess", True, "Running", "the main process runs"))

@@ -4,15 +4,18 @@ operator has the binary (config ``openshell_supervisor``).
 Each guest gets the binary at BINARY (0755), the TLS files at TLS_DIR (key 0600) and
 SUPERVISOR_UNIT, which runs it as root with ENV_FILE (0600): OPENSHELL_ENDPOINT,
 OPENSHELL_SANDBOX_ID, OPENSHELL_SANDBOX, OPENSHELL_SANDBOX_TOKEN_FILE,
-OPENSHELL_MAIN_PROCESS_SPEC (the sandbox's command: the supervisor runs it, so no
-vmsandbox-main unit) and, for https, OPENSHELL_TLS_CA/CERT/KEY and
-OPENSHELL_GATEWAY_TLS_SERVER_NAME.
+OPENSHELL_MAIN_PROCESS_SPEC (the sandbox's command, ``tty`` and
+``await_main_process_attachment``: the supervisor runs it, so no main unit), the launch
+files (OPENSHELL_AUTH_BUNDLE_FILE, OPENSHELL_GATEWAY_VERIFICATION_FILE,
+OPENSHELL_WORKLOAD_IDENTITY_FILE: vmsandbox.openshell.launch writes them before it starts the
+unit) and, for https, OPENSHELL_TLS_CA/CERT/KEY and OPENSHELL_GATEWAY_TLS_SERVER_NAME.
 
 The endpoint (config ``openshell_gateway_endpoint``, a gateway listening on this host's
 loopback) becomes ``127.0.0.1`` with the same port in the guest, where the driver's SSH remote
 forward (``vmsandbox.openshell.tunnel``) carries each connection to the host's loopback, so
-the traffic stays on this machine even though the guest may open no other connection. The TLS
-server name stays the configured host's, so the gateway's certificate still verifies.
+the traffic stays on this machine even though the guest may open no other connection: the
+gateway must listen on this host's loopback at that port. The TLS server name stays the
+configured host's, so the gateway's certificate still verifies.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from urllib.parse import urlsplit
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.guest.setup import GuestFile, systemd_quoted
+from vmsandbox.openshell.launch import AUTH_BUNDLE_PATH, IDENTITY_PATH, VERIFICATION_PATH
 
 BINARY = "/opt/openshell/bin/openshell-sandbox"
 TLS_DIR = "/opt/openshell/tls"
@@ -84,13 +88,28 @@ class Supervisor:
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def guest_parts(
-        self, environment: dict[str, str], command: tuple[str, ...], tty: bool
+        self,
+        environment: dict[str, str],
+        command: tuple[str, ...],
+        tty: bool,
+        await_attachment: bool = False,
     ) -> tuple[list[GuestFile], dict[str, str]]:
         """The files and units for one guest; ``environment`` is the sandbox's own
         (OPENSHELL_SANDBOX, _ID and _TOKEN_FILE among it)."""
-        env = {**environment, "OPENSHELL_ENDPOINT": self.guest_endpoint}
+        env = {
+            **environment,
+            "OPENSHELL_ENDPOINT": self.guest_endpoint,
+            "OPENSHELL_AUTH_BUNDLE_FILE": AUTH_BUNDLE_PATH,
+            "OPENSHELL_GATEWAY_VERIFICATION_FILE": VERIFICATION_PATH,
+            "OPENSHELL_WORKLOAD_IDENTITY_FILE": IDENTITY_PATH,
+        }
         if command:
-            spec = {"version": 1, "command": list(command), "tty": tty}
+            spec = {
+                "version": 1,
+                "command": list(command),
+                "tty": tty,
+                "await_main_process_attachment": await_attachment,
+            }
             env["OPENSHELL_MAIN_PROCESS_SPEC"] = json.dumps(spec, separators=(",", ":"))
         files = [
             GuestFile(BINARY, base64.b64encode(self.binary).decode(), mode="0755", base64=True)

@@ -1,7 +1,5 @@
-"""When each condition of a sandbox last changed, written into both time fields OpenShell has had
-for it: ``last_transition_time`` (an RFC 3339 string, as Kubernetes writes it; gateways at
-2f7fb65) and ``transition_time`` (a google.protobuf.Timestamp; gateways at 484f076 and later,
-which reserve the string field). Both carry the same instant, in whole seconds.
+"""When each condition of a sandbox last changed: ``DriverCondition.transition_time`` (a
+google.protobuf.Timestamp, in whole seconds).
 
 vmsandbox's record keeps no time per state change, so the driver stamps a condition when it
 first reports it with a given status and reason and keeps that stamp while both stay the same,
@@ -29,7 +27,7 @@ class Transitions:
         self._seen: dict[tuple[str, str], tuple[tuple[str, str], int]] = {}
 
     def stamp(self, sandbox: pb.DriverSandbox) -> pb.DriverSandbox:
-        """``sandbox`` with both time fields set on each of its conditions."""
+        """``sandbox`` with the transition time set on each of its conditions."""
         domain = sandbox.status.instance_id
         now = int(self._clock())
         with self._lock:
@@ -40,7 +38,8 @@ class Transitions:
                 if seen is None or seen[0] != now_is:
                     seen = (now_is, now)
                     self._seen[key] = seen
-                _set_time(condition, seen[1])
+                condition.transition_time.seconds = seen[1]
+                condition.transition_time.nanos = 0
         return sandbox
 
     def forget(self, domain: str) -> None:
@@ -48,9 +47,3 @@ class Transitions:
         with self._lock:
             for key in [key for key in self._seen if key[0] == domain]:
                 del self._seen[key]
-
-
-def _set_time(condition: pb.DriverCondition, seconds: int) -> None:
-    condition.last_transition_time = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
-    condition.transition_time.seconds = seconds
-    condition.transition_time.nanos = 0

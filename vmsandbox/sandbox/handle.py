@@ -32,6 +32,7 @@ class Sandbox:
     verification: dict[str, Any] | None = None
     boot_seconds: float | None = None
     failure: dict[str, str] | None = None  # state failed: {code, message} of why (power.wait)
+    generation: str | None = None  # the OpenShell gateway's last start generation (record.py)
 
     @classmethod
     def of(cls, record: SandboxRecord, state: str, files: SandboxFiles) -> Sandbox:
@@ -55,6 +56,7 @@ class Sandbox:
             labels=dict(record.labels),
             verification=record.verification,
             failure=record.failure,
+            generation=record.generation,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -81,4 +83,5 @@ class Sandbox:
             "verification": self.verification,
             "boot_seconds": self.boot_seconds,
             "failure": self.failure,
+            "generation": self.generation,
         }

@@ -21,7 +21,7 @@ from vmsandbox.host.numa import host_cpus_by_node
 from vmsandbox.image.store import BaseImage, ImageStore
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
-from vmsandbox.sandbox import credential, lifecycle, power
+from vmsandbox.sandbox import lifecycle, power
 from vmsandbox.sandbox import plan as planner
 from vmsandbox.sandbox.boot import check_timeout
 from vmsandbox.sandbox.handle import Sandbox
@@ -237,14 +237,6 @@ class SandboxManager:
             key=lambda sandbox: sandbox.name,
         )
 
-    def holder(self, secret: str) -> Sandbox | None:
-        """The sandbox whose recorded credential ``secret`` matches (credential.py, each record
-        compared in constant time); None when none does."""
-        for record, state in self.store.all():
-            if record.credential and credential.matches(secret, record.credential):
-                return self.store.view(record, state)
-        return None
-
     # -- use ----------------------------------------------------------------------------------
 
     def keys_of(self, sandbox: Sandbox) -> SandboxKeys:
@@ -316,6 +308,11 @@ class SandboxManager:
         sandbox = self.store.view(record, STATE_READY)
         sandbox.boot_seconds = waited
         return sandbox
+
+    def set_generation(self, name: str, generation: str) -> Sandbox:
+        """Record the runtime generation an OpenShell gateway last started the sandbox with."""
+        with self.locked():
+            return self.store.update(name, generation=generation)
 
     # -- destroy ------------------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 # 4: ``guest``, the pooled guest a sandbox was claimed from (state ``pooled``, pool.py).
 # 5: ``credential``, the salted digest of a secret the guest holds (credential.py).
 # 6: ``hotplug``, the spare root ports of a GPU-ready pooled guest (gpu/hotplug.py).
-SCHEMA_VERSION = 6
+# 7: ``generation``, the runtime generation the OpenShell gateway last started it with.
+SCHEMA_VERSION = 7
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
@@ -110,6 +111,9 @@ class SandboxRecord:
     credential: str | None = None
     # A GPU-ready pooled guest's spare root ports (a claim attaches GPUs to them).
     hotplug: HotplugRecord | None = None
+    # The OpenShell gateway's generation id of the last StartSandbox that started this sandbox
+    # (part of its runtime identity, vmsandbox/openshell/identity.py); None: never restarted so.
+    generation: str | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -154,6 +158,7 @@ class SandboxRecord:
             "guest": self.guest,
             "credential": self.credential,
             "hotplug": self.hotplug.to_dict() if self.hotplug else None,
+            "generation": self.generation,
         }
 
     @classmethod
@@ -161,7 +166,7 @@ class SandboxRecord:
         """Read a stored record; version 1 (no ``version`` key) fills what it lacked, and so do
         records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``),
         version 2 (no ``failure``, no ``starter``), version 3 (no ``guest``) and version 4 (no
-        ``credential``) and version 5 (no ``hotplug``).
+        ``credential``), version 5 (no ``hotplug``) and version 6 (no ``generation``).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -210,6 +215,7 @@ class SandboxRecord:
             guest=str(data["guest"]) if data.get("guest") else None,
             credential=str(data["credential"]) if data.get("credential") else None,
             hotplug=HotplugRecord.from_dict(hotplug) if isinstance(hotplug, dict) else None,
+            generation=str(data["generation"]) if data.get("generation") else None,
             version=SCHEMA_VERSION,
         )
 

@@ -10,10 +10,11 @@ names that guest). Every reader finds a sandbox by the name in its record.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, NotFound
-from vmsandbox.sandbox import plan
+from vmsandbox.sandbox import credential, plan
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.record import (
     DOMAIN_PREFIX,
@@ -83,6 +84,22 @@ class SandboxStore:
 
     def put(self, record: SandboxRecord, state: str) -> None:
         self.hypervisor.set_metadata(record.domain, record.to_dict(), state)
+
+    def update(self, name: str, **changes: Any) -> Sandbox:
+        """Write ``changes`` (record fields) into sandbox ``name``'s record, under the host lock
+        the caller holds; the sandbox as it is then."""
+        record, state = self.get(name)
+        record = replace(record, **changes)
+        self.put(record, state)
+        return self.view(record, state)
+
+    def holder(self, secret: str) -> Sandbox | None:
+        """The sandbox whose recorded credential ``secret`` matches (credential.py, each record
+        compared in constant time); None when none does."""
+        for record, state in self.all():
+            if record.credential and credential.matches(secret, record.credential):
+                return self.view(record, state)
+        return None
 
     def with_address(self, record: SandboxRecord, state: str) -> SandboxRecord:
         """``record``, and for a libvirt-network guest whose address is not known yet the

@@ -1,0 +1,305 @@
+"""Write docs/performance.md from the JSON reports that the benchmarks in bench/ write.
+
+Every figure on the page comes from a report in docs/results/, with the date, the machine and
+the command of the run that measured it; nothing on the page is typed by hand. To refresh it,
+run benchmarks with ``--out docs/results`` and then this script:
+
+    .venv/bin/python bench/run_all.py --out docs/results      # or one bench/*.py --out docs/results
+    .venv/bin/python docs/gen_performance.py
+
+``--check`` writes nothing and exits 1 when the committed page differs from what the reports
+give (tests/test_docs.py runs the same comparison). Standard library only, so any Python 3.11
+runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DOCS = Path(__file__).resolve().parent
+RESULTS = DOCS / "results"
+PAGE = DOCS / "performance.md"
+
+# What each benchmark measures, in the order the page shows them; sides A and B as the
+# benchmark's own docstring defines them.
+ABOUT: dict[str, tuple[str, str]] = {
+    "fast_start": (
+        "Fast start",
+        "A cold `vmsandbox create` to SSH ready, and a pool hit (`create --no-refill` claiming "
+        "a pooled guest), against the boot floor: the image's own kernel booted by QEMU "
+        "(TCG, 1 vCPU, 1 GiB) into an initramfs that powers off at once.",
+    ),
+    "ssh_ready": (
+        "Create until SSH",
+        "A: `vmsandbox create`, which returns when SSH takes the sandbox's key. B: `virsh "
+        "create` of the domain XML vmsandbox writes (files made beforehand, not timed), then "
+        "`ssh true` every 0.1 s.",
+    ),
+    "create_overhead": (
+        "Create to a running domain",
+        "A: `vmsandbox create --no-wait`. B: what a user does by hand: `qemu-img` overlay, "
+        "`ssh-keygen`, a NoCloud seed with `genisoimage`, `virt-install --import` with the same "
+        "kernel, sizes, disks and SSH forward.",
+    ),
+    "destroy": (
+        "Destroy",
+        "A: `vmsandbox destroy`. B: `virsh destroy`, `virsh undefine --nvram` and `rm` of the "
+        "overlay and seed. The floor both stand on: `virsh destroy` alone.",
+    ),
+    "parallel_creates": (
+        "Parallel creates",
+        "Several `vmsandbox create` at once against the same creates one after another, until "
+        "all answer SSH.",
+    ),
+    "cli_startup": (
+        "CLI start-up",
+        "`vmsandbox --help` and `vmsandbox list` (no sandboxes) as whole processes, with "
+        "`virsh --help` and `virsh list --all` for scale.",
+    ),
+    "inventory": (
+        "GPU inventory",
+        "`discover()` in process and `vmsandbox gpus --json` as a whole process, on a fake "
+        "host of 200 PCI devices with 8 GPUs (umockdev).",
+    ),
+    "allocation": (
+        "Allocation under contention",
+        "Processes that each select and define a one-GPU domain under the host lock, hold it, "
+        "and undefine it, on a fake HGX host against the real libvirtd; every hold is checked "
+        "for a GPU held twice at once.",
+    ),
+    "gpu_claim": (
+        "GPU claim on the nested GPU host",
+        "Inside the nested GPU host: a cold `vmsandbox create --gpu 1` against the same create "
+        "claiming a GPU-ready pooled guest (the card attached live), each to ready with the "
+        "in-guest verification.",
+    ),
+}
+VERDICTS = {True: "met", False: "missed", None: "-"}
+
+
+def fmt(value: float, unit: str) -> str:
+    """A value in ``unit`` for people: "s", "ms", "x" (a ratio), or a count with its unit."""
+    if unit == "ms":
+        return f"{value:.0f} ms" if value >= 10 else f"{value:.1f} ms"
+    if unit == "s":
+        return f"{value:.2f} s"
+    if unit == "x":
+        return f"{value:.2f}x"
+    number = f"{value:.0f}" if float(value).is_integer() else f"{value:.1f}"
+    return f"{number} {unit}".rstrip()
+
+
+def seconds(value: float, unit: str) -> str:
+    """Seconds shown in ``unit`` ("s" or "ms")."""
+    return fmt(value * 1000 if unit == "ms" else value, unit)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return lines
+
+
+def machine(report: dict[str, Any]) -> str:
+    """The machine a report was measured on, in one sentence."""
+    info = report.get("machine") or {}
+    parts = [
+        f"{info.get('cpus', '?')} CPUs ({info.get('cpu_model', 'unknown')})",
+        f"{info.get('memory_gib', '?')} GiB",
+        f"kernel {info.get('kernel', '?')}",
+    ]
+    parts += [info[key] for key in ("qemu", "libvirt") if info.get(key)]
+    parts.append(f"Python {info.get('python', '?')}")
+    text = ", ".join(parts)
+    load = info.get("load_average")
+    if load:
+        text += f"; load average {', '.join(str(x) for x in load)} (1, 5, 15 min) at the end"
+    return text
+
+
+def series_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Measurement rows: each comparison's sides, ratio and references, then plain series."""
+    rows: list[tuple[str, str, str]] = []
+    for comparison in report.get("comparisons", []):
+        unit = comparison.get("unit_shown", "s")
+        for letter, side in (("A", comparison["a"]), ("B", comparison["b"])):
+            rows.append(_series_row(f"{letter}: {side['label']}", side, unit))
+        rows.append(
+            (
+                f"A/B per round ({comparison['name']})",
+                fmt(comparison["median_ratio"], "x"),
+                f"{fmt(comparison['min_ratio'], 'x')} - {fmt(comparison['max_ratio'], 'x')}",
+            )
+        )
+        rows += [_series_row(f"ref: {ref['label']}", ref, unit) for ref in comparison["refs"]]
+    for series in report.get("series", []):
+        rows.append(_series_row(series["label"], series, "s"))
+    for result in report.get("results", []):  # the inventory benchmark's own form
+        rows.append(
+            (
+                result["name"],
+                fmt(result["median_ms"], "ms"),
+                f"{fmt(result['min_ms'], 'ms')} - {fmt(result['max_ms'], 'ms')}",
+            )
+        )
+    return rows
+
+
+def stage_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """A cold boot's stages (fast_start's ``cold_stages``: per round, the seconds from the
+    start of the create to each stage's first console line), as median and min - max."""
+    rounds = report.get("cold_stages") or []
+    stages = list(dict.fromkeys(stage for entry in rounds for stage in entry))
+    rows = []
+    for stage in stages:
+        values = sorted(entry[stage] for entry in rounds if stage in entry)
+        median = statistics.median(values)
+        rows.append((stage, fmt(median, "s"), f"{fmt(values[0], 's')} - {fmt(values[-1], 's')}"))
+    return rows
+
+
+def _series_row(label: str, series: dict[str, Any], unit: str) -> tuple[str, str, str]:
+    low, high = seconds(series["min"], unit), seconds(series["max"], unit)
+    return label, seconds(series["median"], unit), f"{low} - {high}"
+
+
+def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The figures judged against a target (the inventory benchmark keeps its own form)."""
+    if "checks" in report:
+        return report["checks"]
+    return [
+        {
+            "figure": result["name"],
+            "value": result["median_ms"],
+            "unit": "ms",
+            "target": f"<= {result['target_ms']:.0f} ms",
+            "met": result["ok"],
+        }
+        for result in report.get("results", [])
+    ]
+
+
+def load(results: Path) -> list[dict[str, Any]]:
+    """The benchmark reports in ``results``, in the page's order (summary.json left out)."""
+    reports = [
+        json.loads(path.read_text())
+        for path in sorted(results.glob("*.json"))
+        if path.name != "summary.json"
+    ]
+    order = list(ABOUT)
+    return sorted(
+        reports, key=lambda r: order.index(r["bench"]) if r["bench"] in order else len(order)
+    )
+
+
+def render(results: Path) -> str:
+    """The whole page."""
+    reports = load(results)
+    lines = [
+        "# Performance",
+        "",
+        "<!-- Generated by docs/gen_performance.py from docs/results/*.json: do not edit. -->",
+        "",
+        "Figures measured by the benchmarks in `bench/`. Each compares vmsandbox (side A) with "
+        "what a user would do instead (side B) on the same machine and image in the same run, "
+        "alternating the sides round by round after uncounted warm-up rounds; times are "
+        "medians with min - max, a ratio is the median of the per-round ratios A/B. Guests in "
+        "these benchmarks run under TCG (virt type `qemu`), as on the development machines, "
+        "which have no usable KVM: on a host with KVM every boot is much shorter.",
+        "",
+        "Every section gives the date, the machine and the command of its run. To measure "
+        "again and rewrite this page:",
+        "",
+        "```sh",
+        "make bench                                               # setup, then every benchmark",
+        ".venv/bin/python bench/run_all.py --out docs/results     # every benchmark, or one:",
+        ".venv/bin/python bench/destroy.py --rounds 10 --out docs/results",
+        ".venv/bin/python bench/run_all.py --quick --out /tmp/b   # one round each: they work",
+        ".venv/bin/python docs/gen_performance.py                 # this page, from docs/results",
+        "```",
+        "",
+        "Every script takes `--rounds N`, `--warmup N` and `--out DIR`; `run_all.py` also "
+        "`--only NAME ...` and `--skip NAME ...`. Whatever a benchmark makes (sandboxes and "
+        "domains named `bench-*`, files) is removed when it ends, Ctrl-C included. A script "
+        "exits 2 when it could not measure and 130 when interrupted; `allocation` exits 1 "
+        "when a GPU was held twice, and `run_all.py` 1 when a target was missed or a "
+        "benchmark did not finish. `create_overhead` needs virt-install "
+        "(`make bench` installs it); `gpu_claim` needs a running "
+        "[nested GPU host](nested-gpu-host.md).",
+        "",
+    ]
+    ran = {report["bench"] for report in reports}
+    missing = [title for name, (title, _) in ABOUT.items() if name not in ran]
+    if missing:
+        lines += ["Not run for this page: " + ", ".join(missing) + ".", ""]
+    lines += ["## Summary", ""]
+    rows = [
+        (
+            ABOUT.get(report["bench"], (report["bench"], ""))[0],
+            check["figure"],
+            fmt(check["value"], check["unit"]),
+            check["target"],
+            VERDICTS[check["met"]],
+        )
+        for report in reports
+        for check in checks(report)
+    ]
+    lines += table(("Benchmark", "Figure", "Value", "Target", "Verdict"), rows)
+    for report in reports:
+        title, about = ABOUT.get(report["bench"], (report["bench"], ""))
+        when = report.get("when", "?").replace("T", " ").replace("Z", " UTC")
+        rounds = f"{report.get('rounds', '?')} rounds after {report.get('warmup', 0)} warm-up"
+        lines += ["", f"## {title}", ""]
+        if about:
+            lines += [about, ""]
+        lines += [
+            f"- **When**: {when}, commit `{report.get('commit') or 'unknown'}`; {rounds}",
+            f"- **Machine**: {machine(report)}",
+            f"- **Command**: `{report.get('command', 'unknown')}`",
+            "",
+        ]
+        lines += table(("Measurement", "Median", "Min - max"), series_rows(report))
+        stages = stage_rows(report)
+        if stages:
+            lines += ["", "Where a cold create's time goes: seconds from its start to each stage."]
+            lines += ["", *table(("Cold boot stage", "Median", "Min - max"), stages)]
+        judged = checks(report)
+        if judged:
+            lines.append("")
+            rows = [
+                (c["figure"], fmt(c["value"], c["unit"]), c["target"], VERDICTS[c["met"]])
+                for c in judged
+            ]
+            lines += table(("Figure", "Value", "Target", "Verdict"), rows)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of JSON reports")
+    parser.add_argument("--page", type=Path, default=PAGE, help="the page to write")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when the page differs; write nothing"
+    )
+    args = parser.parse_args(argv)
+    page = render(args.results)
+    if args.check:
+        current = args.page.read_text() if args.page.exists() else ""
+        if current != page:
+            print(f"{args.page} is stale: run docs/gen_performance.py", file=sys.stderr)
+            return 1
+        return 0
+    args.page.write_text(page)
+    print(f"written to {args.page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
