@@ -217,6 +217,37 @@ class Cluster:
                 kill_session(process.pid)
 
 
+def start_fake_host(
+    root: Path, name: str, umockdev: str, fabric: str, pooled: int, metrics_port: int
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Host ``name``'s driver (tests/fleet_host.py) under umockdev host ``umockdev``, once its
+    socket is there; its files under ``root/name``."""
+    from conftest_host import umockdev_run
+
+    socket_path = root / name / "driver.sock"
+    socket_path.parent.mkdir(parents=True)
+    log_path = root / f"driver-{name}.log"
+    with umockdev_run(umockdev) as (prefix, env), log_path.open("ab") as log:
+        process = subprocess.Popen(
+            [
+                *prefix, sys.executable, str(REPO / "tests" / "fleet_host.py"),
+                "--socket", str(socket_path), "--root", str(root / name),
+                "--fabric", fabric, "--pool", str(pooled),
+                "--metrics-address", f"127.0.0.1:{metrics_port}",
+            ],
+            env={**env, "PYTHONPATH": f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"},
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + START_TIMEOUT
+        while not socket_path.exists():  # umockdev-run has read the device files by then
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"host {name} did not start: {log_path.read_text()}")
+            time.sleep(0.1)
+    return process, socket_path
+
+
 @contextlib.contextmanager
 def cluster(prefix: str) -> Iterator[Cluster]:
     """A cluster's folder and head, closed and removed at the end (the caller is already in

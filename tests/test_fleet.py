@@ -25,8 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest_host import umockdev_run
-from fleet_cluster import Cluster, cluster, free_port, own_network
+from fleet_cluster import Cluster, cluster, free_port, own_network, start_fake_host
 from openshell_client import Watch, phase, stub
 
 # Ray reads its authentication settings when it is imported: this process joins the test's
@@ -70,32 +69,6 @@ class Fixture:
         return read_host(str(self.sockets[name]), wait=False)
 
 
-def _start_driver(root: Path, name: str, metrics_port: int) -> tuple[subprocess.Popen[bytes], Path]:
-    host, fabric, pooled = HOSTS[name]
-    socket_path = root / name / "driver.sock"
-    socket_path.parent.mkdir(parents=True)
-    log = (root / f"driver-{name}.log").open("ab")
-    with umockdev_run(host) as (prefix, env):
-        process = subprocess.Popen(
-            [
-                *prefix, sys.executable, str(TESTS / "fleet_host.py"),
-                "--socket", str(socket_path), "--root", str(root / name),
-                "--fabric", fabric, "--pool", str(pooled),
-                "--metrics-address", f"127.0.0.1:{metrics_port}",
-            ],
-            env={**env, "PYTHONPATH": f"{TESTS.parent}{os.pathsep}{env.get('PYTHONPATH', '')}"},
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not socket_path.exists():
-            assert process.poll() is None, (root / f"driver-{name}.log").read_text()
-            assert time.monotonic() < deadline, "the fake host did not start"
-            time.sleep(0.1)
-    return process, socket_path
-
-
 @pytest.fixture(scope="module")
 def fx() -> Iterator[Fixture]:
     with own_network(), cluster("vmsbx-fleet-") as made:
@@ -103,7 +76,7 @@ def fx() -> Iterator[Fixture]:
         try:
             for name in HOSTS:
                 port = free_port()
-                process, socket_path = _start_driver(made.root, name, port)
+                process, socket_path = start_fake_host(made.root, name, *HOSTS[name], port)
                 fixture.drivers[name], fixture.sockets[name] = process, socket_path
                 fixture.host_metrics[name] = port
                 made.join(name, socket_path)
