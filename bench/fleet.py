@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     began = time.monotonic()
     memory = Memory()
-    with own_network(), cluster("vmsbx-bench-fleet-") as made:
+    with own_network(), cluster("vsfb-") as made:
         sockets, drivers = {}, []
         try:
             for name, (host, fabric, pooled) in HOSTS.items():

@@ -251,7 +251,8 @@ def start_fake_host(
 @contextlib.contextmanager
 def cluster(prefix: str) -> Iterator[Cluster]:
     """A cluster's folder and head, closed and removed at the end (the caller is already in
-    its own network: ``own_network``)."""
+    its own network: ``own_network``). Keep ``prefix`` short: Ray's socket paths under the
+    folder must fit in the 107 bytes of a Unix socket address."""
     root = Path(
         tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
     )

@@ -71,7 +71,7 @@ class Fixture:
 
 @pytest.fixture(scope="module")
 def fx() -> Iterator[Fixture]:
-    with own_network(), cluster("vmsbx-fleet-") as made:
+    with own_network(), cluster("vsf-") as made:
         fixture = Fixture(made, {})
         try:
             for name in HOSTS:
