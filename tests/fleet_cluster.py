@@ -262,4 +262,9 @@ def cluster(prefix: str) -> Iterator[Cluster]:
         yield made
     finally:
         made.close()
+        keep = os.environ.get("VMSANDBOX_FLEET_LOGS")  # a folder to keep the logs in
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            for log in root.glob("*.log"):
+                shutil.copy(log, Path(keep) / log.name)
         shutil.rmtree(root, ignore_errors=True)

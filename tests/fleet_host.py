@@ -24,8 +24,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -45,6 +47,26 @@ from vmsandbox.sandbox.record import STATE_READY
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "fmpm"
 DRIVER = "535.216.01"  # the NVIDIA driver the image records and the fake FM reports
+
+
+class SharedHypervisor(FakeHypervisor):
+    """The fake hypervisor shared by the driver's threads: one call at a time, as libvirtd
+    serializes what it changes."""
+
+    def __post_init__(self) -> None:
+        self._lock = threading.RLock()
+        for name in (
+            "define", "start", "stop", "shutdown", "undefine", "running", "stop_reason", "list",
+            "metadata", "set_metadata", "lease_address", "hostdev_holders", "attach", "detach",
+        ):  # fmt: skip
+            setattr(self, name, self._locked(getattr(self, name)))
+
+    def _locked(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return method(*args, **kwargs)
+
+        return call
 
 
 class FakeGuests(ComputeDriver):
@@ -97,7 +119,7 @@ def main() -> None:
     config = unit_config(root, **overrides)
     meta = next(config.images.glob("tiny/*/meta.json"))
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "nvidia_driver_version": DRIVER}))
-    hypervisor = FakeHypervisor()
+    hypervisor = SharedHypervisor()
 
     def manager() -> SandboxManager:
         return SandboxManager(config, hypervisor=hypervisor, reconcile=False)

@@ -37,7 +37,7 @@ from vmsandbox.openshell.request import ID_LABEL
 log = logging.getLogger(__name__)
 GATEWAY_LABEL = "vmsandbox.fleet/gateway"
 HOST_LABEL = "vmsandbox.fleet/host"
-RECONCILE_PERIOD = 0.5  # seconds between two reads of the host
+RECONCILE_PERIOD = 1.0  # seconds between two reads of the host (each costs the host a look)
 STRANDED_GRACE = 10.0  # seconds a claim on this node may wait for its sandbox
 PIN_WAIT = 2.0  # seconds to wait for the pinned claim to be placed
 CALL_TIMEOUT = 120.0  # seconds for one call to the host's driver (a create defines and starts)

@@ -43,6 +43,9 @@ ADDRESS_ENV = "VMSANDBOX_FLEET_ADDRESS"
 CALL_TIMEOUT = 150.0  # seconds for one agent call (a host's create defines and starts)
 _GATEWAY_RE = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
 LOST_REASON = "HostLost"
+# A create or a listing uses the hosts as seen at most this many seconds ago (the fleet
+# server's monitor looks every 0.5 s); a refusal or a lost host is found out at the host.
+FRESH = 1.0
 
 
 def check_gateway(name: str) -> str:
@@ -169,11 +172,11 @@ class Fleet:
         return placed
 
     def _create(self, sandbox: pb.DriverSandbox, wish: Wish) -> placement.Placed:
-        self.table.refresh()
+        self.table.refresh(max_age=FRESH)
         name = model.claim_name(self.gateway, sandbox.id)
         with self._lock:
             known = self._where.get(sandbox.id)
-        for view in self.table.views.values():
+        for view in self.table.snapshot():
             if any(_owner(s) == (self.gateway, sandbox.id) for s in _listed(view)):
                 known = view.name
         if known is not None:
@@ -198,10 +201,11 @@ class Fleet:
         def release(host: str, reason: str) -> None:
             log.info("create %s: host %s: %s", sandbox.id, host, reason)
             with self._lock:
-                created = self._where.pop(sandbox.id, None)
-            if created is not None:  # made, but not as wished: taken back
-                request = pb.DeleteSandboxRequest().SerializeToString()
-                self._call(host, "act", self.gateway, sandbox.id, "DeleteSandbox", request)
+                self._where.pop(sandbox.id, None)
+            # made but not as wished, or made before the host failed: taken back (a host
+            # without it says so, and nothing happens)
+            request = pb.DeleteSandboxRequest().SerializeToString()
+            self._call(host, "act", self.gateway, sandbox.id, "DeleteSandbox", request)
             claims.remove(name)
             claims.wait_gone(name, 5.0)
 
@@ -211,7 +215,7 @@ class Fleet:
     def sandboxes(self) -> list[FleetSandbox]:
         """The gateway's sandboxes on every host: live ones as their host reports them, those
         of lost hosts as last seen, marked lost."""
-        views = self.table.refresh()
+        views = self.table.refresh(max_age=FRESH)
         found: dict[str, FleetSandbox] = {}
         for view in views.values():
             if view.state == "lost":

@@ -34,14 +34,20 @@ class HostTable:
 
     def __init__(self) -> None:
         self.views: dict[str, HostView] = {}
+        self.refreshed = 0.0  # time.monotonic() of the last refresh
         self.on_lost: list[Callable[[HostView], None]] = []
         self._misses: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def refresh(self) -> dict[str, HostView]:
-        """Look at Ray and the agents now; returns host name -> view."""
+    def refresh(self, max_age: float = 0.0) -> dict[str, HostView]:
+        """Look at Ray and the agents now, unless the last look is at most ``max_age`` seconds
+        old; returns host name -> view."""
         with self._lock:
-            return self._refresh()
+            if max_age and time.monotonic() - self.refreshed <= max_age:
+                return dict(self.views)
+            views = self._refresh()
+            self.refreshed = time.monotonic()
+            return views
 
     def _refresh(self) -> dict[str, HostView]:
         seen = claims.nodes()
@@ -90,7 +96,12 @@ class HostTable:
         return dict(self.views)
 
     def ready(self) -> list[HostView]:
-        return [view for view in self.views.values() if view.state == "ready"]
+        with self._lock:
+            return [view for view in self.views.values() if view.state == "ready"]
+
+    def snapshot(self) -> list[HostView]:
+        with self._lock:
+            return list(self.views.values())
 
 
 _DIED = object()  # the agent's actor is dead

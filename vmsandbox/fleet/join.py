@@ -81,6 +81,8 @@ def ray_start_argv(
         "0",
         "--object-store-memory",
         str(OBJECT_STORE_BYTES),
+        "--include-log-monitor",  # nothing reads the agent's logs from elsewhere
+        "false",
         "--resources",
         json.dumps(totals, sort_keys=True),
         "--labels",
