@@ -43,8 +43,9 @@ START_TIMEOUT = 180.0
 
 
 @contextlib.contextmanager
-def own_network() -> Iterator[None]:
-    """This process in a new network namespace with loopback up, then back in its own."""
+def own_network() -> Iterator[int]:
+    """This process in a new network namespace with loopback up, then back in its own; yields
+    a descriptor of the machine's namespace (``setns`` to it goes back)."""
     libc = ctypes.CDLL(None, use_errno=True)
     original = os.open("/proc/self/ns/net", os.O_RDONLY)
     try:
@@ -52,7 +53,7 @@ def own_network() -> Iterator[None]:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed")
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
         try:
-            yield
+            yield original
         finally:
             if libc.setns(original, CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), "setns back to the original network failed")

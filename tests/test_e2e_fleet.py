@@ -14,8 +14,10 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -64,19 +66,16 @@ def vmsandbox(env: dict[str, str], *args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def in_machine_network(body: object) -> object:
-    """``body()`` run in a thread that has gone back to the machine's network namespace."""
+def in_machine_network(machine: int, body: object) -> object:
+    """``body()`` run in a thread that has gone back to the machine's network namespace (the
+    descriptor ``machine``)."""
     import ctypes
 
     found: list[object] = []
 
     def run() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open("/proc/1/ns/net", os.O_RDONLY)
-        try:
-            assert libc.setns(fd, 0x40000000) == 0, ctypes.get_errno()
-        finally:
-            os.close(fd)
+        assert libc.setns(machine, 0x40000000) == 0, ctypes.get_errno()
         found.append(body())  # type: ignore[operator]
 
     thread = threading.Thread(target=run)
@@ -86,16 +85,18 @@ def in_machine_network(body: object) -> object:
 
 
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Config, Path]]]:
-    root = Path(tmp_path_factory.mktemp("fleet-e2e"))
-    os.chmod(root, 0o711)
+def hosts() -> Iterator[dict[str, tuple[Config, Path]]]:
+    root = Path(tempfile.mkdtemp(prefix="vmsbx-fleet-e2e-", dir="/var/tmp"))  # libvirt-qemu
+    os.chmod(root, 0o711)  # reaches the disks under it
+    stack = contextlib.ExitStack()
+    stack.callback(shutil.rmtree, root, ignore_errors=True)
     made: dict[str, tuple[Config, Path]] = {}
-    with contextlib.ExitStack() as stack:
+    with stack:
         for name, pool in (("host-a", 1), ("host-b", 0)):
             config, env = host_config(root, name, pool)
             if pool:
                 vmsandbox(env, "pool", "fill")
-            socket_path = root / name / "driver.sock"
+            socket_path = root / name / "socket" / "driver.sock"  # its folder is made 0700
             stack.enter_context(serving(socket_path, env))
             made[name] = (config, socket_path)
         try:
@@ -116,7 +117,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[
 
 
 def test_a_pooled_and_a_cold_create_through_the_fleet_reach_ssh(hosts) -> None:
-    with own_network(), cluster("vsfe-") as made:
+    with own_network() as machine, cluster("vsfe-") as made:
         for name, (_config, socket_path) in hosts.items():
             made.join(name, socket_path)
         made.wait_joined(*hosts)
@@ -154,7 +155,7 @@ def test_a_pooled_and_a_cold_create_through_the_fleet_reach_ssh(hosts) -> None:
                         done = manager.exec(name, ["hostname"], timeout=120)
                     return done.exit_status, done.stdout.strip()
 
-                assert in_machine_network(hostname) == (0, name)
+                assert in_machine_network(machine, hostname) == (0, name)
             for sandbox_id in (pooled_id, cold.id):
                 client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=sandbox_id), timeout=300)
             assert fleet.sandboxes() == []
