@@ -15,6 +15,7 @@ PROTOS = (
     "vmsandbox/openshell/proto/extension.proto",
     "vmsandbox/openshell/proto/sandbox.proto",
     "vmsandbox/openshell/proto/compute_driver.proto",
+    "vmsandbox/openshell/proto/host_info.proto",
 )
 
 

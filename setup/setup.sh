@@ -58,7 +58,7 @@ if [ ! -x "$VENV/bin/python" ] || [ pyproject.toml -nt "$stamp" ]; then
   say "creating virtualenv $VENV and installing vmsandbox"
   /usr/bin/python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check -U pip
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[test]'
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[test,fleet]'
   touch "$stamp"
 fi
 # The gRPC stubs of the OpenShell driver are generated, never committed; the editable install

@@ -328,7 +328,7 @@ def test_an_upward_import_is_reported(tree: Path) -> None:
     lines = len(bdf.read_text().splitlines())
     assert found[0] == (
         f"vmsandbox.host.bdf imports vmsandbox.sandbox.manager (vmsandbox/host/bdf.py:{lines}): "
-        "host may not import sandbox, which is above it (layers, top first: cli, openshell, "
+        "host may not import sandbox, which is above it (layers, top first: cli, fleet, openshell, "
         "compat, sandbox, image, guest, gpu, vm, host, core)"
     )
     assert any(f.startswith("import cycle between modules: ") for f in found)

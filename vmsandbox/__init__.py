@@ -11,6 +11,7 @@ on the last line), never from one above it.
 Layers, top first:
 
     cli         the vmsandbox command
+    fleet       many hosts behind one gateway, placed by Ray (the ``fleet`` extra)
     openshell   the OpenShell compute driver behind ``vmsandbox serve``
     compat      other sandbox platforms' GPU requests as a GpuRequest
     sandbox     a sandbox's life: spec, record, create, boot, power, pool, SandboxManager

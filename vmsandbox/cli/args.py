@@ -171,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="Unix socket the OpenShell gateway dials (its folder is made 0700)",
     )
+    serve.add_argument(
+        "--metrics-address",
+        metavar="HOST:PORT",
+        help="export Prometheus metrics over HTTP there (needs the fleet extra)",
+    )
 
     verify = sub.add_parser(
         "verify", parents=common, help="re-check a sandbox's GPUs from inside the guest"
@@ -211,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     images_sub.add_parser(
         "prune", parents=common, help="remove builds that are not current and that no sandbox uses"
     )
+    from vmsandbox.fleet.cli import add_parser as add_fleet  # no Ray: that comes when one runs
+
+    add_fleet(sub, common)
     return parser
 
 

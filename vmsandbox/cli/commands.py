@@ -259,7 +259,13 @@ def _cmd_start(args: argparse.Namespace, out: Output) -> int:
 def _cmd_serve(args: argparse.Namespace, _out: Output) -> int:
     from vmsandbox.openshell.server import serve
 
-    return serve(args.openshell_socket)
+    return serve(args.openshell_socket, metrics_address=args.metrics_address)
+
+
+def _cmd_fleet(args: argparse.Namespace, out: Output) -> int:
+    from vmsandbox.fleet.cli import run  # Ray and the fleet extra are needed from here on
+
+    return run(args, out)
 
 
 def _cmd_verify(args: argparse.Namespace, out: Output) -> int:
@@ -439,4 +445,5 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "verify": _cmd_verify,
     "images": _cmd_images,
     "pool": _cmd_pool,
+    "fleet": _cmd_fleet,
 }

@@ -49,6 +49,7 @@ GROUP_LABEL = "openshell.workload-group"
 SOURCE_LABEL = "openshell.workload-source"
 UNITS_LABEL = "openshell.units"
 RESTART_LABEL = "openshell.restart-on-credentials"
+WORKLOAD_LABELS = (USER_LABEL, GROUP_LABEL, SOURCE_LABEL, UNITS_LABEL, RESTART_LABEL)
 _SELECTOR = re.compile(r"(?:[0-9]{1,10}|[A-Za-z_][A-Za-z0-9_.-]{0,31})\Z")
 _EXIT_NO_USER, _EXIT_NO_GROUP, _EXIT_ROOT = 3, 4, 5
 

@@ -32,7 +32,9 @@ what its guest receives and how its workload is launched.
   and OPENSHELL_LOG_LEVEL; the sandbox token written 0600 to TOKEN_PATH (named by
   OPENSHELL_SANDBOX_TOKEN_FILE), never put in the environment; ``command`` as the main process
   (OPENSHELL_MAIN_UNIT, as the workload user). ``tty`` has no meaning without the supervisor
-  and is ignored. Units are installed, not started: the launch starts them.
+  and is ignored. Units are installed, not started: the launch starts them. A request that
+  gives the guest none of these and fits a ``[pool]`` shape (``pooled_spec``) claims a
+  ready pooled guest (service.py), which gets no environment: its identity is in the labels.
 - Credential: a salted digest of the sandbox token (``vmsandbox.sandbox.credential``) goes into the
   record, so AuthenticateSandbox can tell which sandbox holds a token; the token does not.
 - With a supervisor (``vmsandbox.openshell.supervisor``), the guest also gets the supervisor,
@@ -43,13 +45,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from google.protobuf import json_format
 
 from vmsandbox.compat import openshell as compat
+from vmsandbox.config import PoolShape
 from vmsandbox.errors import FailedPrecondition, InvalidArgument
 from vmsandbox.guest.setup import (
     ENVIRONMENT_FILE,
@@ -63,6 +66,7 @@ from vmsandbox.openshell.admission import AdmissionPolicy
 from vmsandbox.openshell.identity import INCARNATION_LABEL, new_incarnation
 from vmsandbox.openshell.launch import (
     OPENSHELL_MAIN_UNIT,
+    WORKLOAD_LABELS,
     LaunchCredentials,
     Workload,
     check_selector,
@@ -70,6 +74,7 @@ from vmsandbox.openshell.launch import (
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.supervisor import SUPERVISOR_UNIT, Supervisor
 from vmsandbox.sandbox import credential
+from vmsandbox.sandbox.pool import fits
 from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.validate import validate_name
 
@@ -179,6 +184,35 @@ def translate(
             credential=credential.digest(spec.sandbox_token) if spec.sandbox_token else None,
         ),
         credentials=credentials,
+    )
+
+
+def pooled_spec(
+    sandbox: pb.DriverSandbox, spec: SandboxSpec, shapes: Iterable[PoolShape]
+) -> SandboxSpec | None:
+    """The spec with which a ready pooled guest may serve ``sandbox`` (``spec`` translated):
+    only for a request that gives the guest nothing and fits a ``[pool]`` shape, else None. No
+    guest setup and no workload labels; the identity stays in the labels."""
+    labels = {k: v for k, v in spec.labels.items() if k not in WORKLOAD_LABELS}
+    pooled = replace(spec, guest=None, labels=labels)
+    if gives_guest_nothing(sandbox) and any(fits(shape, pooled) for shape in shapes):
+        return pooled
+    return None
+
+
+def gives_guest_nothing(sandbox: pb.DriverSandbox) -> bool:
+    """Whether ``sandbox`` hands its guest nothing of its own (no command, environment, token
+    or log level): such a sandbox may be a ready pooled guest, its identity kept in labels."""
+    spec = sandbox.spec
+    return not (
+        spec.command
+        or spec.environment
+        or spec.template.environment
+        or spec.sandbox_token
+        or spec.log_level
+        or spec.launch_authentication
+        or spec.HasField("workload_identity")
+        or spec.HasField("policy")
     )
 
 

@@ -1,5 +1,6 @@
 """``vmsandbox serve --openshell-socket PATH``: the compute driver in the foreground until
-SIGTERM or SIGINT, logging to stderr.
+SIGTERM or SIGINT, logging to stderr. The socket also serves ``vmsandbox.host.v1.HostInfo``
+(hostinfo.py), which a fleet agent on this host reads.
 
 gRPC listens on a socket in a private 0700 folder; the gateway's socket at PATH is served by a
 ``PeerGate`` that checks each peer's uid and relays to it. A gateway that disconnects and
@@ -22,9 +23,12 @@ import grpc
 from vmsandbox.config import Config
 from vmsandbox.errors import VmSandboxError
 from vmsandbox.openshell.events import DomainEvents
+from vmsandbox.openshell.hostinfo import HostInfo
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
+from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
 from vmsandbox.openshell.service import ComputeDriver
 from vmsandbox.openshell.socket import PeerGate
+from vmsandbox.sandbox.manager import SandboxManager
 
 log = logging.getLogger("vmsandbox.openshell")
 _WORKERS = 32  # each open watch stream holds one
@@ -35,9 +39,12 @@ _STOP_GRACE = 5.0  # seconds in-flight RPCs get to finish at shutdown
 _SIGNAL_POLL = 1.0
 
 
-def serve(socket_path: str, config: Config | None = None) -> int:
+def serve(
+    socket_path: str, config: Config | None = None, *, metrics_address: str | None = None
+) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status (0). A socket that cannot be
-    served raises its vmsandbox error, after everything made so far is removed."""
+    served raises its vmsandbox error, after everything made so far is removed. With
+    ``metrics_address`` (HOST:PORT), Prometheus metrics are exported there (metrics.py)."""
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
     )
@@ -53,11 +60,22 @@ def serve(socket_path: str, config: Config | None = None) -> int:
         raise
     private = Path(tempfile.mkdtemp(prefix="vmsandbox-grpc-"))  # mkdtemp: 0700, ours alone
     backend = private / "grpc.sock"
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=_WORKERS))
+    metrics = None
+    if metrics_address:
+        from vmsandbox.openshell.metrics import HostMetrics
+
+        metrics = HostMetrics(lambda: SandboxManager(config, reconcile=False))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=_WORKERS),
+        interceptors=[metrics.interceptor()] if metrics else [],
+    )
     pb_grpc.add_ComputeDriverServicer_to_server(driver, server)
+    info_grpc.add_HostInfoServicer_to_server(HostInfo(config), server)
     server.add_insecure_port(f"unix:{backend}")
     gate: PeerGate | None = None
     try:
+        if metrics is not None:
+            metrics.serve(metrics_address)
         server.start()
         gate = PeerGate(Path(socket_path), backend, frozenset(config.openshell_allowed_uids))
         gate.start()

@@ -15,7 +15,9 @@ SandboxManager.
   outcome reaches the gateway as a snapshot on the watch stream. A failed create has taken
   itself apart; a reconcile runs behind it for whatever its cleanup could not remove. At start
   the server reconciles, waits again for the sandboxes a killed server left started or
-  starting, and launches the ready ones (a no-op in a guest launched this boot).
+  starting, and launches the ready ones (a no-op in a guest launched this boot). A request
+  that gives the guest nothing, of a ``[pool]`` shape, claims a ready pooled guest instead
+  when there is one (it has no workload to launch).
 - Stop/Start map to ``SandboxManager.stop/start`` (disk and GPUs kept). Start first checks
   ``expected_runtime_identity``, records ``generation_id`` and returns the new runtime
   identity; its launch credentials go to the guest at the launch that follows the boot.
@@ -66,7 +68,13 @@ from vmsandbox.openshell.launches import Launches
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.readiness import Readiness
-from vmsandbox.openshell.request import DEFAULT_IMAGE, ID_LABEL, Translated, translate
+from vmsandbox.openshell.request import (
+    DEFAULT_IMAGE,
+    ID_LABEL,
+    Translated,
+    pooled_spec,
+    translate,
+)
 from vmsandbox.openshell.status import GUEST_QUERY, GuestState, guest_state, snapshot
 from vmsandbox.openshell.supervisor import Supervisor
 from vmsandbox.openshell.transitions import Transitions
@@ -279,8 +287,10 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         def create() -> str:
             with self._manager() as manager:
                 wanted = self._translate(manager, request.sandbox)
+                pooled = pooled_spec(request.sandbox, wanted.spec, manager.config.pool)
                 try:
-                    sandbox = manager.create(wanted.spec, wait=False)
+                    # a pooled guest of the shape is claimed when one is ready, else it boots
+                    sandbox = manager.create(pooled or wanted.spec, wait=False)
                 except VmSandboxError:
                     self.readiness.reconcile_behind()
                     raise

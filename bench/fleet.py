@@ -1,0 +1,315 @@
+"""The fleet under load: four hosts, 36 GPUs, 300 creates from 8 clients, then a host killed.
+
+The fleet is the one of tests/test_fleet.py, inside a network namespace of this run's own: a
+Ray head, four hosts each a vmsandbox driver on the fake hypervisor under its own umockdev host
+(two HGX H100 boards in shared NVSwitch mode with the fake fmpm, one HGX H100 board in full
+passthrough, one PCIe server with twelve L4: 8 + 8 + 8 + 12 GPUs), and the fleet server,
+whose socket 8 client threads drive as a gateway does. Each client creates sandboxes of 1, 2,
+4 or 8 GPUs (more than the fleet holds: some are refused) and deletes one of its own now and
+then. Halfway through, one HGX board's Ray side is killed; the clients go on.
+
+What it reports (``--json FILE`` writes the same keys):
+
+- ``placement_p50_ms``, ``placement_p99_ms``: CreateSandbox latency of the creates that
+  succeeded (claim placed by Ray, sandbox defined and started by its host);
+- ``creates_per_s``: successful creates per second of the create phase;
+- ``double_allocations``: GPUs that two sandboxes of one host hold, from each host's own
+  records (HostInfo), never Ray's;
+- ``constraint_violations``: sandboxes whose GPUs are not what was asked (count, whole
+  partition in shared NVSwitch mode, 1 or all in full passthrough);
+- ``unaccounted``: creates that neither succeeded (and exist on their host, or were deleted)
+  nor failed with a clear refusal (RESOURCE_EXHAUSTED, UNAVAILABLE, ALREADY_EXISTS);
+- ``drift_gpus``: once quiet, the sum over live hosts of |Ray's free GPUs - the host's own|;
+- ``host_lost_marked_s``: from the kill until the fleet marks the host lost;
+- ``stranded_claims``: 10 s after that, claims of sandboxes on the lost host or of none;
+- ``wall_s``, ``peak_rss_mib``: the run's time and the most memory its processes (the fleet's
+  included) held at once.
+
+Usage (as root, with the fleet extra): .venv/bin/python bench/fleet.py [--creates 300]
+       [--clients 8] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+os.environ.setdefault("RAY_AUTH_MODE", "token")  # read by Ray when it is imported
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+
+import grpc  # noqa: E402
+from fleet_cluster import cluster, free_port, own_network, start_fake_host  # noqa: E402
+from openshell_client import stub  # noqa: E402
+
+from vmsandbox.fleet import claims, model  # noqa: E402
+from vmsandbox.fleet.core import Fleet  # noqa: E402
+from vmsandbox.openshell.proto import compute_driver_pb2 as pb  # noqa: E402
+
+HOSTS = {  # name -> (umockdev host, fabric, pooled guests)
+    "hgx-a": ("hgx_h100", "shared", 0),
+    "hgx-b": ("hgx_h100", "shared", 0),
+    "hgx-full": ("hgx_h100", "full", 0),
+    "l4": ("l4_server_x12", "none", 0),
+}
+KILLED = "hgx-b"
+SIZES = (1, 1, 1, 2, 2, 4, 8)  # GPUs per create, drawn at random
+DELETE_CHANCE = 0.3  # after each create, the chance a client deletes one of its sandboxes
+CLEAR = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "ALREADY_EXISTS")
+STRANDED_AFTER_S = 10.0
+QUIET_S = 60.0
+
+
+class Memory:
+    """The peak of the summed RSS of this process and all its descendants, sampled."""
+
+    def __init__(self) -> None:
+        self.peak_kib = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.5):
+            self.peak_kib = max(self.peak_kib, _tree_rss_kib(os.getpid()))
+
+    def stop(self) -> float:
+        self._stop.set()
+        return self.peak_kib / 1024
+
+
+def _tree_rss_kib(root: int) -> int:
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        pid, ppid = int(entry.name), int(fields.get("PPid", "0").strip())
+        children.setdefault(ppid, []).append(pid)
+        rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) if "VmRSS" in fields else 0
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo += children.get(pid, [])
+    return total
+
+
+class Load:
+    """The clients' creates and deletes, and what came of each."""
+
+    def __init__(self, socket_path: Path, creates: int, clients: int, seed: int) -> None:
+        self.socket_path = socket_path
+        self.left = creates
+        self.clients = clients
+        self.random = random.Random(seed)
+        self.lock = threading.Lock()
+        self.latencies: list[float] = []
+        self.wanted: dict[str, int] = {}  # sandbox id -> GPUs asked, for those created
+        self.deleted: set[str] = set()
+        self.outcomes: dict[str, int] = {}
+        self.unaccounted = 0
+        self.halfway = threading.Event()
+        self.total = creates
+
+    def _next(self) -> int | None:
+        with self.lock:
+            if self.left == 0:
+                return None
+            self.left -= 1
+            if self.total - self.left >= self.total // 2:
+                self.halfway.set()
+            return self.random.choice(SIZES)
+
+    def client(self, index: int) -> None:
+        channel, driver = stub(self.socket_path)
+        mine: list[str] = []
+        rng = random.Random(index)
+        with channel:
+            while (size := self._next()) is not None:
+                sandbox = pb.DriverSandbox(
+                    id=f"bench-{index}-{secrets.token_hex(4)}",
+                    spec=pb.DriverSandboxSpec(
+                        template=pb.DriverSandboxTemplate(
+                            image="tiny",
+                            resources=pb.DriverResourceRequirements(memory_limit="256Mi"),
+                        ),
+                        command=["true"],
+                    ),
+                )
+                sandbox.spec.resource_requirements.gpu.count = size
+                started = time.monotonic()
+                try:
+                    driver.CreateSandbox(pb.CreateSandboxRequest(sandbox=sandbox), timeout=300)
+                    code = "OK"
+                except grpc.RpcError as exc:
+                    code = exc.code().name
+                with self.lock:
+                    self.outcomes[code] = self.outcomes.get(code, 0) + 1
+                    if code == "OK":
+                        self.latencies.append(time.monotonic() - started)
+                        self.wanted[sandbox.id] = size
+                        mine.append(sandbox.id)
+                    elif code not in CLEAR:
+                        self.unaccounted += 1
+                if mine and rng.random() < DELETE_CHANCE:
+                    victim = mine.pop(rng.randrange(len(mine)))
+                    try:
+                        driver.DeleteSandbox(
+                            pb.DeleteSandboxRequest(sandbox_id=victim), timeout=120
+                        )
+                        with self.lock:
+                            self.deleted.add(victim)
+                    except grpc.RpcError as exc:
+                        if exc.code().name != "UNAVAILABLE":  # its host is lost: kept there
+                            with self.lock:
+                                self.unaccounted += 1
+
+
+def audit(infos: dict[str, dict[str, Any]], load: Load) -> tuple[int, int, int]:
+    """Double allocations, constraint violations and unaccounted sandboxes, from the hosts'
+    own records."""
+    doubles = violations = 0
+    found: set[str] = set()
+    for info in infos.values():
+        seen: dict[str, str] = {}
+        active = {p["size"] for p in info["fabric"]["partitions"] if p["active"]}
+        for sandbox in info["sandboxes"]:
+            for bdf in sandbox["gpus"]:
+                if bdf in seen:
+                    doubles += 1
+                seen[bdf] = sandbox["name"]
+            sandbox_id = sandbox["labels"].get("openshell.sandbox-id", "")
+            found.add(sandbox_id)
+            asked = load.wanted.get(sandbox_id)
+            count = len(sandbox["gpus"])
+            mode = info["fabric"]["mode"]
+            if (
+                asked is None
+                or count != asked
+                or (mode == "shared-nvswitch" and count not in active)
+                or (mode == "full-passthrough" and count not in (1, len(info["gpus"])))
+            ):
+                violations += 1
+    missing = set(load.wanted) - load.deleted - found
+    return doubles, violations, len(missing)
+
+
+def percentile(values: list[float], share: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--creates", type=int, default=300)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=30)
+    parser.add_argument("--json", type=Path, help="write the figures there as JSON")
+    args = parser.parse_args(argv)
+    from vmsandbox.fleet.join import read_host
+
+    began = time.monotonic()
+    memory = Memory()
+    with own_network(), cluster("vsfb-") as made:
+        sockets, drivers = {}, []
+        try:
+            for name, (host, fabric, pooled) in HOSTS.items():
+                process, socket_path = start_fake_host(
+                    made.root, name, host, fabric, pooled, free_port()
+                )
+                drivers.append(process)
+                sockets[name] = socket_path
+                made.join(name, socket_path)
+            made.wait_joined(*HOSTS)
+            fleet_socket = made.root / "fleet" / "driver.sock"
+            made.serve(fleet_socket, "bench", "--place-timeout", "1")
+            fleet = Fleet(made.address, gateway="bench")
+            load = Load(fleet_socket, args.creates, args.clients, args.seed)
+            threads = [threading.Thread(target=load.client, args=(i,)) for i in range(args.clients)]
+            load_began = time.monotonic()
+            for thread in threads:
+                thread.start()
+            load.halfway.wait()
+            made.kill(KILLED)
+            killed = time.monotonic()
+            while fleet.table.refresh()[KILLED].state != "lost":
+                time.sleep(0.1)
+            marked = time.monotonic() - killed
+            for thread in threads:
+                thread.join()
+            load_s = time.monotonic() - load_began
+            time.sleep(max(0.0, STRANDED_AFTER_S - (time.monotonic() - killed - marked)))
+            live = {n: read_host(str(s), wait=False) for n, s in sockets.items() if n != KILLED}
+            on_live = {
+                model.claim_name("bench", s["labels"].get("openshell.sandbox-id", ""))
+                for info in live.values()
+                for s in info["sandboxes"]
+            }
+            stranded = sum(
+                1
+                for claim in claims.claims()
+                if (claim.name.startswith(model.CLAIM_PREFIX) and claim.name not in on_live)
+                or claim.name == model.pin_name(KILLED)
+            )
+            drift = _quiet_drift(fleet)
+            infos = {n: read_host(str(s), wait=False) for n, s in sockets.items()}
+            doubles, violations, missing = audit(infos, load)
+            fleet.close()
+        finally:
+            for process in drivers:
+                process.terminate()
+                process.wait(timeout=30)
+    figures = {
+        "placement_p50_ms": round(percentile(load.latencies, 0.5) * 1000, 1),
+        "placement_p99_ms": round(percentile(load.latencies, 0.99) * 1000, 1),
+        "creates_per_s": round(len(load.latencies) / load_s, 2),
+        "double_allocations": doubles,
+        "constraint_violations": violations,
+        "unaccounted": load.unaccounted + missing,
+        "drift_gpus": drift,
+        "host_lost_marked_s": round(marked, 2),
+        "stranded_claims": stranded,
+        "wall_s": round(time.monotonic() - began, 1),
+        "peak_rss_mib": round(memory.stop(), 1),
+    }
+    print(f"outcomes: {json.dumps(load.outcomes, sort_keys=True)}")
+    for key, value in figures.items():
+        print(f"{key}: {value}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+def _quiet_drift(fleet: Fleet) -> float:
+    """Ray's free GPUs less each live host's own, summed as magnitudes, once they agree (or
+    after QUIET_S seconds, what is left)."""
+    deadline = time.monotonic() + QUIET_S
+    clean = 0
+    while True:
+        views = [v for v in fleet.hosts() if v.state != "lost"]
+        drift = sum(abs(v.drift().get(model.GPU, 0.0)) for v in views)
+        total = sum(abs(d) for v in views for d in v.drift().values())
+        clean = clean + 1 if total == 0 and all(v.state == "ready" for v in views) else 0
+        if clean >= 4 or time.monotonic() > deadline:
+            return drift
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
