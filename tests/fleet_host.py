@@ -40,8 +40,9 @@ from vmsandbox.openshell.hostinfo import HostInfo
 from vmsandbox.openshell.metrics import HostMetrics
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
+from vmsandbox.openshell.readiness import Readiness
 from vmsandbox.openshell.service import ComputeDriver
-from vmsandbox.sandbox import lifecycle, pool, warmpool
+from vmsandbox.sandbox import claim, pool, runner, warmpool
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.record import STATE_READY
 
@@ -69,26 +70,34 @@ class SharedHypervisor(FakeHypervisor):
         return call
 
 
-class FakeGuests(ComputeDriver):
-    """The driver, with guests that are ready as soon as they start."""
+class InstantReadiness(Readiness):
+    """Guests that are ready as soon as they start."""
 
-    def _become_ready(self, name: str) -> None:
+    def become_ready(self, name: str, uuid: str, *, wait: bool = True) -> None:
         with self._manager() as manager:
             record, _state = manager.store.get(name)
             manager.store.put(record, STATE_READY)
+
+
+class FakeGuests(ComputeDriver):
+    """The driver, with guests that are ready as soon as they start."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.readiness = InstantReadiness(self._manager, self.launches, self.tunnels)
 
 
 def fill(manager: SandboxManager) -> None:
     """Make pooled guests until every shape is full (no SSH: the fill does not wait)."""
     image = manager.images.get("tiny")
     for shape in manager.config.pool:
-        while len([r for r, _s in manager.pool.guests() if pool.holds(shape, r)]) < shape.count:
+        while len([r for r, *_ in manager.pool.guests() if pool.holds(shape, r)]) < shape.count:
             spec = pool.shape_spec(shape)
             assert spec.name is not None
             creation = manager.pool.creation(spec, spec.name, image, lambda _line: None)
             creation.wait = False
-            creation.room = lambda: True
-            lifecycle.run(warmpool.FILL_STEPS, creation, manager.locked, manager.checkpoint)
+            creation.pool_key, creation.doing = shape.key, "fill"
+            runner.run(claim.FILL_STEPS, creation, manager.locked, manager.checkpoint)
 
 
 def main() -> None:
@@ -124,7 +133,7 @@ def main() -> None:
     def manager() -> SandboxManager:
         return SandboxManager(config, hypervisor=hypervisor, reconcile=False)
 
-    warmpool.CLAIM_STEPS = tuple(s for s in warmpool.CLAIM_STEPS if s.name != "hostname")
+    warmpool.CLAIM_STEPS = tuple(s for s in claim.CLAIM_STEPS if s.name != "hostname")
     refill = threading.Lock()
 
     def refill_here(_pool: warmpool.WarmPool) -> None:

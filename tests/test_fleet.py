@@ -294,7 +294,7 @@ def test_capacity_taken_outside_the_fleet_is_pinned(fx: Fixture) -> None:
             assert placed.host in ("hgx-a", "hgx-b")  # a shared board's partition of eight
             fx.fleet.delete(whole)
         finally:
-            host.DeleteSandbox(pb.DeleteSandboxRequest(name="t-fl-local"), timeout=60)
+            host.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=local.id), timeout=60)
     assert quiet(fx)["hgx-full"] == {}
 
 

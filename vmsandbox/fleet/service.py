@@ -61,15 +61,20 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
             log.info("%s: %s: %s", what, exc.code, exc.message)
             _abort(context, exc)
 
-    def _find(self, sandbox_id: str, name: str) -> FleetSandbox:
+    def _find(self, sandbox_id: str) -> FleetSandbox:
+        """The sandbox with gateway id ``sandbox_id``, never found by name (a name can be
+        another tenant's, as on every host's driver); NOT_FOUND if none."""
+        if not sandbox_id:
+            raise InvalidArgument(
+                "sandbox_id is empty: the driver finds sandboxes by the gateway's id only",
+                details={"field": "sandbox_id"},
+            )
         for sandbox in self.fleet.sandboxes():
-            if (sandbox_id and sandbox.sandbox_id == sandbox_id) or (
-                not sandbox_id and name and sandbox.snapshot.name == name
-            ):
+            if sandbox.sandbox_id == sandbox_id:
                 return sandbox
         raise NotFound(
-            f"sandbox {name or sandbox_id!r} does not exist",
-            details={"sandbox_id": sandbox_id, "name": name},
+            f"no sandbox with id {sandbox_id!r} is in the fleet",
+            details={"sandbox_id": sandbox_id},
         )
 
     # -- RPCs -------------------------------------------------------------------------------
@@ -144,9 +149,7 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
         return pb.CreateSandboxResponse(runtime_identity=identity)
 
     def GetSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
-        found = self._call(
-            context, "GetSandbox", lambda: self._find(request.sandbox_id, request.name)
-        )
+        found = self._call(context, "GetSandbox", lambda: self._find(request.sandbox_id))
         return pb.GetSandboxResponse(sandbox=found.snapshot)
 
     def ListSandboxes(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -155,7 +158,7 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
 
     def StopSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def stop() -> None:
-            found = self._find(request.sandbox_id, request.name)
+            found = self._find(request.sandbox_id)
             self.fleet.power(found.sandbox_id, request)
 
         self._call(context, "StopSandbox", stop)
@@ -163,7 +166,7 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
 
     def StartSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def start() -> str:
-            found = self._find(request.sandbox_id, request.name)
+            found = self._find(request.sandbox_id)
             return self.fleet.power(found.sandbox_id, request)
 
         identity = self._call(context, "StartSandbox", start)
@@ -172,7 +175,7 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
     def DeleteSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def delete() -> bool:
             try:
-                found = self._find(request.sandbox_id, request.name)
+                found = self._find(request.sandbox_id)
             except NotFound:
                 return False
             return self.fleet.delete(found.sandbox_id)
