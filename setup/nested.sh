@@ -2,6 +2,8 @@
 # The nested GPU host: an L1 guest with an emulated Intel IOMMU and two emulated ati-vga cards, in
 # which vmsandbox's GPU path runs on real VFIO (docs: "The nested GPU host").
 #
+#   setup/nested.sh prepare           build the images if needed and save the pristine snapshot
+#                                     if there is no current one (a cold boot of L1), then stop L1
 #   setup/nested.sh start             build the images if needed, boot L1 (or reuse the running
 #                                     one), copy this checkout's vmsandbox in, wait for
 #                                     `vmsandbox gpus` to answer inside; the first boot also
@@ -150,6 +152,7 @@ launch() {
   qemu_args
   rm -f "$STATE/qemu.pid" "$STATE/qmp.sock"
   setsid "${QEMU_ARGS[@]}" "$@" </dev/null >"$STATE/qemu.log" 2>&1 9>&- &  # not start's lock
+  disown  # its end is no job of this shell's to report
   for _ in $(seq 1 100); do [ -s "$STATE/qemu.pid" ] && [ -S "$STATE/qmp.sock" ] && break; sleep 0.1; done
   running || { cat "$STATE/qemu.log" >&2; die "QEMU did not start (its log above)"; }
 }
@@ -227,6 +230,25 @@ restore() {
   ssh_l1 "date -s @$(date +%s) >/dev/null && echo 1 > /sys/bus/pci/rescan"
 }
 
+# Whether the pristine snapshot is there and holds the current nested and minimal images.
+snapshot_current() {
+  [ -f "$STATE/snap/state" ] \
+    && [ "$(cat "$STATE/images" 2>/dev/null)" = "$(image_path nested) $(image_path minimal)" ]
+}
+
+# The snapshot made ready for later starts (the images built, L1 booted cold and saved when
+# there is no current snapshot), with no L1 left running.
+cmd_prepare() {
+  if snapshot_current; then
+    say "L1's pristine snapshot is current"
+    return 0
+  fi
+  kill_l1
+  cmd_start
+  kill_l1
+  say "L1's pristine snapshot is saved; L1 is stopped"
+}
+
 cmd_start() {
   mkdir -p "$(dirname "$STATE")"
   exec 9>"$STATE.lock"
@@ -234,7 +256,7 @@ cmd_start() {
   local started=$SECONDS
   if running && ssh_l1 true 2>/dev/null; then
     say "reusing the running L1 (pid $(cat "$STATE/qemu.pid"))"
-  elif [ -f "$STATE/snap/state" ] && [ "$(cat "$STATE/images" 2>/dev/null)" = "$(image_path nested) $(image_path minimal)" ]; then
+  elif snapshot_current; then
     say "starting a pristine L1 from the snapshot"
     restore
   else
@@ -280,10 +302,11 @@ cmd_stop() {
 }
 
 case "${1:-}" in
+  prepare) cmd_prepare ;;
   start) cmd_start ;;
   exec) shift; cmd_exec "$@" ;;
   restart) kill_l1; cmd_start ;;
   kill) kill_l1 ;;
   stop) cmd_stop ;;
-  *) die "usage: setup/nested.sh start | exec -- CMD... | restart | kill | stop" ;;
+  *) die "usage: setup/nested.sh prepare | start | exec -- CMD... | restart | kill | stop" ;;
 esac

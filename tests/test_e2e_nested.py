@@ -11,7 +11,8 @@ pristine one restored from the snapshot of the first boot), watched while it run
 another L1 when the test host fails under it. A step that boots an L2 gathers everything its
 tests look at in one go (``SandboxRun``, ``ClaimRun``); the tests then assert on what it saw, so
 a wrong answer from vmsandbox fails its test without a retry. The module spends at most
-``nested_host.BUDGET`` seconds (images built before it are not counted).
+``nested_host.BUDGET`` seconds; the images and L1's snapshot, made before it when needed, are
+not counted.
 
 The crash tests run the create through tests/crash_cli.py, which setup/nested.sh copies into L1
 with the code: at checkpoint ``<stage>`` it prints ``vmsandbox-checkpoint <stage>`` on stderr and
@@ -33,7 +34,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
-from nested_host import NestedHost
+from nested_host import START_LIMIT, NestedHost
 
 from vmsandbox.sandbox.spec import generate_name
 
@@ -122,7 +123,9 @@ def seen_ids(host: NestedHost, name: str) -> list[tuple[str, ...]]:
 
 @pytest.fixture(scope="module")
 def host() -> Iterator[NestedHost]:
-    """The module's nested host; the images are built (when needed) before its budget starts."""
+    """The module's nested host. Its budget starts once the images are built and L1's pristine
+    snapshot saved (``nested.sh prepare``: a cold boot of L1 when there is no current one),
+    each when needed; the snapshot is kept for the next run."""
     for image in ("minimal", "nested"):
         subprocess.run(
             [sys.executable, "-m", "vmsandbox.cli", "images", "build", image],
@@ -130,6 +133,15 @@ def host() -> Iterator[NestedHost]:
             check=True,
             timeout=3600,
         )
+    prepared = subprocess.run(
+        ["bash", str(NESTED), "prepare"],
+        env=nested_env(),
+        capture_output=True,
+        text=True,
+        timeout=START_LIMIT,
+        check=False,
+    )
+    assert prepared.returncode == 0, f"setup/nested.sh prepare failed:\n{prepared.stderr[-4000:]}"
     nested = NestedHost(NESTED, nested_env(), STATE_DIR, LOG_DIR)
     try:
         yield nested
@@ -139,7 +151,7 @@ def host() -> Iterator[NestedHost]:
         (LOG_DIR / "summary.txt").write_text(summary + "\n")
         if any(life.lost for life in nested.lives):
             warnings.warn(f"the test host lost L1s (steps ran again):\n{summary}", stacklevel=1)
-        nested.stop()
+        nested.kill()  # the snapshot stays: the next run starts from it
 
 
 @dataclass
