@@ -360,9 +360,10 @@ def test_a_claim_is_one_request_on_the_control_channel(
     assert (fake.names, fake.ssh_knocks) == (["hit"], 0)
     assert sandbox.stage_seconds is not None
     assert list(sandbox.stage_seconds) == [
+        "look",
         "host lock wait",
-        "reserve",
         "claim",
+        "taken",
         "hostname",
         "ready",
     ]

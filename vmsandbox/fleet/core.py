@@ -132,8 +132,13 @@ class Fleet:
             raise Unavailable(f"host {host} has no agent: it left or is lost") from exc
 
     def _call(self, host: str, method: str, *args: Any) -> dict[str, Any]:
+        """The agent's answer, or an UNAVAILABLE error answer when the host has no agent right
+        now (lost, or joining again and its agent not yet up) or it does not answer."""
         try:
-            return ray.get(getattr(self._agent(host), method).remote(*args), timeout=CALL_TIMEOUT)
+            agent = self._agent(host)
+            return ray.get(getattr(agent, method).remote(*args), timeout=CALL_TIMEOUT)
+        except Unavailable as exc:
+            return {"error": {"code": "UNAVAILABLE", "message": exc.message}}
         except ray.exceptions.RayError as exc:
             return {"error": {"code": "UNAVAILABLE", "message": f"host {host}: {exc}"}}
 
