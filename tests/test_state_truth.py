@@ -287,6 +287,31 @@ def test_drain_beside_a_claim_keeps_the_claimed_sandbox(
         assert manager.get("hit").state == "ready"
 
 
+def test_drain_that_found_the_guest_just_before_a_claim_leaves_it_running(
+    pool_config: Config, hv: FakeHypervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim commits after drain's teardown looked the guest up and before it took the
+    guest over under the lock: the claimed sandbox keeps running. (The teardown used to stop
+    the domain it had found before taking the lock.)"""
+    with SandboxManager(pool_config, hypervisor=hv, reconcile=False) as manager:
+        manager.pool.guest_run = answering
+        guest = pooled_guest(manager)
+        find = manager.store.find
+
+        def find_then_claim(name: str) -> Any:
+            found = find(name)
+            if name == guest and found is not None and found.state == "pooled":
+                claimer = SandboxManager(pool_config, hypervisor=hv, reconcile=False)
+                claimer.pool.guest_run = answering
+                claimer.create(spec("hit"), refill=False)
+            return found
+
+        monkeypatch.setattr(manager.store, "find", find_then_claim)
+        assert manager.pool.drain() == []
+        assert manager.get("hit").state == "ready"
+        assert hv.running(f"vmsbx-{guest}")
+
+
 # -- 8: a cleanup that cannot get the lock ---------------------------------------------------------
 
 

@@ -69,7 +69,9 @@ def destroy(
             f"{found.record.keys}); destroy it with that installation's configuration",
             details={"name": name, "keys": found.record.keys},
         )
-    if found is not None:  # stopped before the lock: a hung QEMU must not hold it
+    # Stopped before the lock, so that a hung QEMU cannot hold it; a pooled guest only once
+    # taken over under the lock, since a claim may take it until then.
+    if found is not None and not pooled_only:
         hypervisor.stop(found.record.domain, uuid=found.uuid)
     owner = own(config)
     try:
