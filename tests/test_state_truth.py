@@ -512,6 +512,38 @@ def test_gpu_discovery_runs_outside_the_host_lock(
     assert free_while_discovering == [True]
 
 
+def test_the_drivers_listing_asks_its_guests_at_once(
+    tmp_path: Path, hv: FakeHypervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing of four ready sandboxes asks the four guests for their state at the same
+    time: each query waits at a barrier that only four queries at once can pass (one after the
+    other, each would give up, and the snapshots would lack the guests' state)."""
+    from openshell_client import Unwatched
+
+    from vmsandbox.openshell import service
+    from vmsandbox.sandbox.record import STATE_READY
+
+    config = unit_config(tmp_path)
+    together = threading.Barrier(4, timeout=20)
+
+    def query(_endpoint: Endpoint, _keys: object, _command: str, **_kw: Any) -> ExecResult:
+        together.wait()  # BrokenBarrierError, when fewer arrive, fails the test below
+        return ExecResult(0, "", "")
+
+    monkeypatch.setattr(service, "ssh_run", query)
+    asked: list[object] = []
+    real_state = service.guest_state
+    monkeypatch.setattr(service, "guest_state", lambda out: asked.append(out) or real_state(out))
+    with SandboxManager(config, hypervisor=hv, reconcile=False) as manager:
+        for n in range(4):
+            made = manager.create(spec(f"s{n}"), wait=False)
+            record, _state = manager.store.get(made.name)
+            manager.store.put(record, STATE_READY)
+        driver = service.ComputeDriver(config, Unwatched(), manager=lambda: manager)
+        driver._snapshots(manager, manager.list())
+    assert len(asked) == 4 and not together.broken
+
+
 # -- a creator in another PID namespace ------------------------------------------------------------
 
 
