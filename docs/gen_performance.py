@@ -132,6 +132,39 @@ def machine(report: dict[str, Any]) -> str:
     return text
 
 
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """fast_start's rounds: the floor, the cold create and the pool hit (means and each
+    round), then where each one's time goes, stage by stage, from the guest's own clock."""
+    floor, cold, hit = summary["floor"], summary["cold"], summary["hit"]
+    lines = table(
+        ("Measurement", "Mean", "Each round (the creates: times the floor)"),
+        [
+            (
+                "boot floor (kernel + busybox initramfs, powers off)",
+                fmt(floor["mean"], "s"),
+                ", ".join(fmt(x, "s") for x in floor["per_round"]),
+            ),
+            *(
+                (
+                    label,
+                    fmt(part["mean"], "s"),
+                    ", ".join(fmt(x, "x") for x in part["ratio_per_round"]),
+                )
+                for label, part in (
+                    ("cold create -> SSH ready", cold),
+                    ("pool hit: create -> SSH ready (whole CLI process)", hit),
+                )
+            ),
+        ],
+    )
+    for kind, title in (("cold", "Cold create"), ("hit", "Pool hit")):
+        stages = summary[kind].get("stages_mean") or {}
+        if stages:
+            rows = [(stage, f"{sec:.3f}") for stage, sec in stages.items()]
+            lines += ["", *table((f"{title}: stage", "Seconds (mean)"), rows)]
+    return lines
+
+
 def series_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Measurement rows: each comparison's sides, ratio and references, then plain series."""
     rows: list[tuple[str, str, str]] = []
@@ -305,6 +338,8 @@ def render(results: Path) -> str:
         if "calls" in report:
             headers = ("Measurement", "Count", "Median", "p95", "Max")
             lines += [*table(headers, load_rows(report)), "", load_errors(report)]
+        elif "floor" in report.get("summary", {}):
+            lines += summary_lines(report["summary"])
         else:
             lines += table(("Measurement", "Median", "Min - max"), series_rows(report))
         stages = stage_rows(report)

@@ -123,10 +123,10 @@ def test_unknown_sandboxes(client):
     assert deleted.deleted is False
 
 
-def test_requests_find_sandboxes_by_the_gateway_id_only(client, config: Config):
+def test_a_sandbox_the_driver_did_not_make_is_out_of_reach(client, config: Config):
     """A sandbox the driver did not make (a CLI one) is out of reach whatever the request
-    names: Get, Stop, Start and Delete with its name and another id find nothing and leave it
-    as it is; a request without an id is refused."""
+    names: Get, Stop, Start and Delete with its name, with or without another id, find nothing
+    and leave it as it is; a request with neither an id nor a name is refused."""
     with SandboxManager(config, reconcile=False) as manager:
         made = manager.create(SandboxSpec(name="t-os-cli", memory_mib=256), start=False)
     try:
@@ -137,12 +137,13 @@ def test_requests_find_sandboxes_by_the_gateway_id_only(client, config: Config):
         ):
             code, _ = _code(call, request(sandbox_id="gw-other", name="t-os-cli"))
             assert code == grpc.StatusCode.NOT_FOUND
-            code, message = _code(call, request(name="t-os-cli"))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "sandbox_id is empty" in message
-        deleted = client.DeleteSandbox(
-            pb.DeleteSandboxRequest(sandbox_id="gw-other", name="t-os-cli"), timeout=60
-        )
-        assert deleted.deleted is False
+            code, _ = _code(call, request(name="t-os-cli"))
+            assert code == grpc.StatusCode.NOT_FOUND
+            code, message = _code(call, request())
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "both empty" in message
+        for named in (pb.DeleteSandboxRequest(sandbox_id="gw-other", name="t-os-cli"),
+                      pb.DeleteSandboxRequest(name="t-os-cli")):  # fmt: skip
+            assert client.DeleteSandbox(named, timeout=60).deleted is False
         with SandboxManager(config, reconcile=False) as manager:
             still = manager.get("t-os-cli")
         assert (still.uuid, still.state) == (made.uuid, "defined")

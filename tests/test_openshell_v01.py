@@ -453,6 +453,8 @@ def test_runtime_identity_through_create_stop_start_and_authentication(
     got = upstream.call(
         "GetSandbox", upstream.message("GetSandboxRequest", sandbox_id="gw-v01", name="t-v01")
     )
+    by_name = upstream.call("GetSandbox", upstream.message("GetSandboxRequest", name="t-v01"))
+    assert by_name.sandbox.id == "gw-v01"  # a request with a name and no id finds it too
     status = got.sandbox.status
     assert (status.name, status.instance_id, status.fence_evidence.generation) == (
         "t-v01",
@@ -467,9 +469,7 @@ def test_runtime_identity_through_create_stop_start_and_authentication(
     )
     assert len(status.fence_evidence.evidence_digest) == 64
 
-    upstream.call(
-        "StopSandbox", upstream.message("StopSandboxRequest", sandbox_id="gw-v01", name="t-v01")
-    )
+    upstream.call("StopSandbox", upstream.message("StopSandboxRequest", name="t-v01"))
     assert not hv.domains["vmsbx-t-v01"].running
     wrong = f"vmsandbox:{'0' * 32}:0"
     code, message = _code(
@@ -529,9 +529,8 @@ def test_runtime_identity_through_create_stop_start_and_authentication(
         "CreateSandbox", upstream.message("CreateSandboxRequest", sandbox=request)
     )
     assert recreated.runtime_identity.split(":")[1] != incarnation
-    upstream.call(
-        "DeleteSandbox", upstream.message("DeleteSandboxRequest", sandbox_id="gw-v01", name="t-v01")
-    )
+    deleted = upstream.call("DeleteSandbox", upstream.message("DeleteSandboxRequest", name="t-v01"))
+    assert deleted.deleted and "vmsbx-t-v01" not in hv.domains
 
 
 def _host_bytes(config: Config) -> bytes:

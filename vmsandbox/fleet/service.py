@@ -61,20 +61,21 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
             log.info("%s: %s: %s", what, exc.code, exc.message)
             _abort(context, exc)
 
-    def _find(self, sandbox_id: str) -> FleetSandbox:
-        """The sandbox with gateway id ``sandbox_id``, never found by name (a name can be
-        another tenant's, as on every host's driver); NOT_FOUND if none."""
-        if not sandbox_id:
+    def _find(self, sandbox_id: str, name: str) -> FleetSandbox:
+        """The gateway's sandbox a request addresses: by ``sandbox_id`` when it has one, else
+        by ``name``, among this gateway's sandboxes only, as every host's driver does."""
+        if not sandbox_id and not name:
             raise InvalidArgument(
-                "sandbox_id is empty: the driver finds sandboxes by the gateway's id only",
+                "sandbox_id and name are both empty: a request names its sandbox by one of them",
                 details={"field": "sandbox_id"},
             )
         for sandbox in self.fleet.sandboxes():
-            if sandbox.sandbox_id == sandbox_id:
+            if sandbox.sandbox_id == sandbox_id if sandbox_id else sandbox.snapshot.name == name:
                 return sandbox
         raise NotFound(
-            f"no sandbox with id {sandbox_id!r} is in the fleet",
-            details={"sandbox_id": sandbox_id},
+            f"no sandbox {'with id ' + repr(sandbox_id) if sandbox_id else repr(name)} is in "
+            "the fleet",
+            details={"sandbox_id": sandbox_id, "name": name},
         )
 
     # -- RPCs -------------------------------------------------------------------------------
@@ -149,7 +150,9 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
         return pb.CreateSandboxResponse(runtime_identity=identity)
 
     def GetSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
-        found = self._call(context, "GetSandbox", lambda: self._find(request.sandbox_id))
+        found = self._call(
+            context, "GetSandbox", lambda: self._find(request.sandbox_id, request.name)
+        )
         return pb.GetSandboxResponse(sandbox=found.snapshot)
 
     def ListSandboxes(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -158,7 +161,7 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
 
     def StopSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def stop() -> None:
-            found = self._find(request.sandbox_id)
+            found = self._find(request.sandbox_id, request.name)
             self.fleet.power(found.sandbox_id, request)
 
         self._call(context, "StopSandbox", stop)
@@ -166,7 +169,7 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
 
     def StartSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def start() -> str:
-            found = self._find(request.sandbox_id)
+            found = self._find(request.sandbox_id, request.name)
             return self.fleet.power(found.sandbox_id, request)
 
         identity = self._call(context, "StartSandbox", start)
@@ -175,7 +178,7 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
     def DeleteSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def delete() -> bool:
             try:
-                found = self._find(request.sandbox_id)
+                found = self._find(request.sandbox_id, request.name)
             except NotFound:
                 return False
             return self.fleet.delete(found.sandbox_id)

@@ -53,7 +53,7 @@ from google.protobuf import json_format
 
 from vmsandbox.compat import openshell as compat
 from vmsandbox.config import PoolShape
-from vmsandbox.errors import FailedPrecondition, InvalidArgument
+from vmsandbox.errors import FailedPrecondition, InvalidArgument, NotFound
 from vmsandbox.guest.setup import (
     ENVIRONMENT_FILE,
     GuestFile,
@@ -74,6 +74,7 @@ from vmsandbox.openshell.launch import (
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.supervisor import SUPERVISOR_UNIT, Supervisor
 from vmsandbox.sandbox import credential
+from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.pool import fits
 from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.validate import validate_name
@@ -184,6 +185,26 @@ def translate(
             credential=credential.digest(spec.sandbox_token) if spec.sandbox_token else None,
         ),
         credentials=credentials,
+    )
+
+
+def find_ours(ours: Iterable[Sandbox], sandbox_id: str, name: str) -> Sandbox:
+    """The sandbox of ``ours`` (this driver's own) a request addresses: by ``sandbox_id`` when
+    it has one (then its ``name`` is not looked at), else by ``name``. A sandbox the driver did
+    not make (a CLI one, a pooled guest) is never found, whatever the request names.
+    INVALID_ARGUMENT with neither; NOT_FOUND when none matches."""
+    if not sandbox_id and not name:
+        raise InvalidArgument(
+            "sandbox_id and name are both empty: a request names its sandbox by one of them",
+            details={"field": "sandbox_id"},
+        )
+    for sandbox in ours:
+        if sandbox.labels.get(ID_LABEL) == sandbox_id if sandbox_id else sandbox.name == name:
+            return sandbox
+    raise NotFound(
+        f"no sandbox {'with id ' + repr(sandbox_id) if sandbox_id else repr(name)} was made "
+        "by this driver",
+        details={"sandbox_id": sandbox_id, "name": name},
     )
 
 

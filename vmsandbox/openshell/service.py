@@ -3,10 +3,10 @@ SandboxManager.
 
 - GetCapabilities negotiates the extension protocol (``negotiation``) and states the
   operator's resource admission policy (``admission``).
-- Every request addresses a sandbox by the gateway's ``sandbox_id`` (kept as the label
-  ID_LABEL), never by name: only a sandbox this driver made (this state directory's, with that
-  id) is found, and the action then names its domain UUID, so a sandbox made since under the
-  same name is never touched. An empty id is INVALID_ARGUMENT; an unknown one NOT_FOUND.
+- A request addresses a sandbox by the gateway's ``sandbox_id`` (kept as the label ID_LABEL),
+  or by ``name`` when it carries no id; either way only a sandbox this driver made (this state
+  directory's, with a gateway id) is found (``find_ours``), and the action then names its
+  domain UUID, so a sandbox made since under the same name is never touched.
 - CreateSandbox makes and starts the sandbox in one create (GPUs reserved under the host lock,
   the record ``creating`` until QEMU runs, so a server killed meanwhile leaves it to
   reconcile), records the gateway's generation and returns the runtime identity
@@ -72,6 +72,7 @@ from vmsandbox.openshell.request import (
     DEFAULT_IMAGE,
     ID_LABEL,
     Translated,
+    find_ours,
     pooled_spec,
     translate,
 )
@@ -186,21 +187,9 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         """The sandboxes this driver made: this state directory's, carrying a gateway id."""
         return [s for s in manager.list() if s.labels.get(ID_LABEL) and s.local]
 
-    def _find(self, manager: SandboxManager, sandbox_id: str) -> Sandbox:
-        """The sandbox with gateway id ``sandbox_id`` (never found by name: a name can be
-        another tenant's, or a later sandbox's); NOT_FOUND if none."""
-        if not sandbox_id:
-            raise InvalidArgument(
-                "sandbox_id is empty: the driver finds sandboxes by the gateway's id only",
-                details={"field": "sandbox_id"},
-            )
-        for sandbox in self._ours(manager):
-            if sandbox.labels.get(ID_LABEL) == sandbox_id:
-                return sandbox
-        raise NotFound(
-            f"no sandbox with id {sandbox_id!r} was made by this driver",
-            details={"sandbox_id": sandbox_id},
-        )
+    def _find(self, manager: SandboxManager, sandbox_id: str, name: str) -> Sandbox:
+        """The sandbox a request addresses, among this driver's own only (``find_ours``)."""
+        return find_ours(self._ours(manager), sandbox_id, name)
 
     def resume(self) -> None:
         """At start: reconcile (a killed server's half-made sandboxes), then wait again for
@@ -316,7 +305,8 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def GetSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def get() -> pb.DriverSandbox:
             with self._manager() as manager:
-                return self._snapshot(manager, self._find(manager, request.sandbox_id))
+                found = self._find(manager, request.sandbox_id, request.name)
+                return self._snapshot(manager, found)
 
         return pb.GetSandboxResponse(sandbox=self._call(context, "GetSandbox", get))
 
@@ -330,7 +320,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
     def StopSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def stop() -> None:
             with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id)
+                found = self._find(manager, request.sandbox_id, request.name)
                 manager.stop(found.name, uuid=found.uuid)
 
         self._call(context, "StopSandbox", stop)
@@ -342,7 +332,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
 
         def start() -> str:
             with self._manager() as manager:
-                found = self._find(manager, request.sandbox_id)
+                found = self._find(manager, request.sandbox_id, request.name)
                 RuntimeIdentity.of(found).check_start(
                     request.expected_runtime_identity, request.generation_id
                 )
@@ -369,7 +359,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         def delete() -> bool:
             with self._manager() as manager:
                 try:
-                    found = self._find(manager, request.sandbox_id)
+                    found = self._find(manager, request.sandbox_id, request.name)
                     self._remember(found)
                     manager.destroy(found.name, uuid=found.uuid)
                 except NotFound:
