@@ -121,7 +121,7 @@ class Load:
         self.wanted: dict[str, int] = {}  # sandbox id -> GPUs asked, for those created
         self.deleted: set[str] = set()
         self.outcomes: dict[str, int] = {}
-        self.unaccounted = 0
+        self.unaccounted: list[str] = []  # what happened to each create not accounted for
         self.halfway = threading.Event()
         self.total = creates
 
@@ -164,7 +164,7 @@ class Load:
                         self.wanted[sandbox.id] = size
                         mine.append(sandbox.id)
                     elif code not in CLEAR:
-                        self.unaccounted += 1
+                        self.unaccounted.append(f"create {sandbox.id}: {code}")
                 if mine and rng.random() < DELETE_CHANCE:
                     victim = mine.pop(rng.randrange(len(mine)))
                     try:
@@ -176,12 +176,12 @@ class Load:
                     except grpc.RpcError as exc:
                         if exc.code().name != "UNAVAILABLE":  # its host is lost: kept there
                             with self.lock:
-                                self.unaccounted += 1
+                                self.unaccounted.append(f"delete {victim}: {exc.code().name}")
 
 
-def audit(infos: dict[str, dict[str, Any]], load: Load) -> tuple[int, int, int]:
-    """Double allocations, constraint violations and unaccounted sandboxes, from the hosts'
-    own records."""
+def audit(infos: dict[str, dict[str, Any]], load: Load) -> tuple[int, int, list[str]]:
+    """Double allocations, constraint violations and the ids of created sandboxes no host
+    has (nor were they deleted), from the hosts' own records."""
     doubles = violations = 0
     found: set[str] = set()
     for info in infos.values():
@@ -205,7 +205,7 @@ def audit(infos: dict[str, dict[str, Any]], load: Load) -> tuple[int, int, int]:
             ):
                 violations += 1
     missing = set(load.wanted) - load.deleted - found
-    return doubles, violations, len(missing)
+    return doubles, violations, sorted(missing)
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "creates_per_s": round(len(load.latencies) / load_s, 2),
         "double_allocations": doubles,
         "constraint_violations": violations,
-        "unaccounted": load.unaccounted + missing,
+        "unaccounted": len(load.unaccounted) + len(missing),
         "drift_gpus": drift,
         "host_lost_marked_s": round(marked, 2),
         "stranded_claims": stranded,
@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_mib": round(memory.stop(), 1),
     }
     print(f"outcomes: {json.dumps(load.outcomes, sort_keys=True)}")
+    for why in [*load.unaccounted, *(f"missing on every host: {sid}" for sid in missing)]:
+        print(f"unaccounted: {why}")
     for key, value in figures.items():
         print(f"{key}: {value}")
     if args.json:
