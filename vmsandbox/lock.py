@@ -168,7 +168,7 @@ class _Ticket:
         for number in sorted(_numbers(self.queue)):
             if number >= self.number:
                 break
-            if _alive(self.queue / _ticket_name(number)):
+            if file_held(self.queue / _ticket_name(number)):
                 live.append(number)
         return live
 
@@ -212,10 +212,11 @@ def _numbers(queue: Path) -> list[int]:
     return [int(name) for name in os.listdir(queue) if name.isdigit()]
 
 
-def _alive(ticket: Path) -> bool:
-    """Whether the owner of ``ticket`` still holds it; a dead owner's ticket is removed."""
+def file_held(path: Path) -> bool:
+    """Whether a live process keeps ``path`` locked (``flock``); a file nobody locks (its
+    owner died) is removed. Tickets of the lock's queue and owner files use it."""
     try:
-        fd = os.open(ticket, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         return False
     try:
@@ -226,7 +227,7 @@ def _alive(ticket: Path) -> bool:
         raise
     else:
         with contextlib.suppress(FileNotFoundError):
-            ticket.unlink()
+            path.unlink()
         return False
     finally:
         os.close(fd)

@@ -22,15 +22,14 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-import vmsandbox
 from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandboxError
 from vmsandbox.fleet import placement
 from vmsandbox.fleet.core import Fleet, FleetSandbox
 from vmsandbox.openshell import negotiation
 from vmsandbox.openshell.admission import AdmissionPolicy
+from vmsandbox.openshell.capabilities import capabilities
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
-from vmsandbox.openshell.request import DEFAULT_IMAGE
 
 log = logging.getLogger("vmsandbox.fleet")
 T = TypeVar("T")
@@ -89,25 +88,7 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
             "GetCapabilities",
             lambda: negotiation.check_gateway(request.HasField("gateway"), request.gateway),
         )
-        return pb.GetCapabilitiesResponse(
-            driver_name="vmsandbox",
-            driver_version=vmsandbox.__version__,
-            default_image=DEFAULT_IMAGE,
-            gateway_manages_lifecycle=False,
-            supports_sandbox_authentication=True,
-            driver_reports_runtime_readiness=True,
-            resource_capabilities=pb.ResourceCapabilities(
-                cpu=pb.CpuResourceCapabilities(limit_supported=True),
-                memory=pb.MemoryResourceCapabilities(limit_supported=True),
-                gpu=pb.GpuResourceCapabilities(
-                    default_selection_supported=True, count_selection_supported=True
-                ),
-            ),
-            rootfs_tar_staging_dir="",
-            rootfs_tar_max_bytes=0,
-            extension=negotiation.driver_metadata(),
-            resource_admission_policy=self.admission.acknowledgement(),
-        )
+        return capabilities(self.admission, reports_readiness=True)
 
     def AuthenticateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def authenticate() -> dict[str, Any]:

@@ -55,12 +55,12 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-import vmsandbox
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandboxError
 from vmsandbox.guest.ssh import run as ssh_run
 from vmsandbox.openshell import negotiation
 from vmsandbox.openshell.admission import AdmissionPolicy
+from vmsandbox.openshell.capabilities import capabilities
 from vmsandbox.openshell.events import DomainEvent, EventSource
 from vmsandbox.openshell.identity import RuntimeIdentity, check_generation_id
 from vmsandbox.openshell.launch import LaunchCredentials
@@ -69,7 +69,6 @@ from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.readiness import Readiness
 from vmsandbox.openshell.request import (
-    DEFAULT_IMAGE,
     ID_LABEL,
     Translated,
     find_ours,
@@ -224,25 +223,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             "GetCapabilities",
             lambda: negotiation.check_gateway(request.HasField("gateway"), request.gateway),
         )
-        return pb.GetCapabilitiesResponse(
-            driver_name="vmsandbox",
-            driver_version=vmsandbox.__version__,
-            default_image=DEFAULT_IMAGE,
-            gateway_manages_lifecycle=False,
-            supports_sandbox_authentication=True,
-            driver_reports_runtime_readiness=self.supervisor is None,
-            resource_capabilities=pb.ResourceCapabilities(
-                cpu=pb.CpuResourceCapabilities(limit_supported=True),
-                memory=pb.MemoryResourceCapabilities(limit_supported=True),
-                gpu=pb.GpuResourceCapabilities(
-                    default_selection_supported=True, count_selection_supported=True
-                ),
-            ),
-            rootfs_tar_staging_dir="",
-            rootfs_tar_max_bytes=0,
-            extension=negotiation.driver_metadata(),
-            resource_admission_policy=self.admission.acknowledgement(),
-        )
+        return capabilities(self.admission, reports_readiness=self.supervisor is None)
 
     def AuthenticateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         """The gateway id and runtime identity of the sandbox whose token ``credential`` is.

@@ -18,13 +18,14 @@ to tell, the first where there is one:
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from vmsandbox.lock import file_held
 
 
 @dataclass(frozen=True)
@@ -110,22 +111,7 @@ os.register_at_fork(after_in_child=_PROCESS_OWNERS.clear)  # a child is another 
 
 def owner_alive(path: Path) -> bool:
     """Whether someone keeps the owner file ``path`` locked; a file nobody locks is removed."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return True
-        raise
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        return False
-    finally:
-        os.close(fd)
+    return file_held(path)
 
 
 def start_time(pid: int) -> str | None:
