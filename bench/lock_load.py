@@ -100,7 +100,7 @@ class Client:
             gpu=GpuRequest(count=count) if count else None,
         )
         made = self.manager.create(spec, start=False)
-        self.mine.append((made.name, getattr(made, "uuid", "")))
+        self.mine.append((made.name, made.uuid))
 
     def destroy(self) -> None:
         if not self.mine:
