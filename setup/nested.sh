@@ -17,7 +17,7 @@
 #
 # Environment: PYTHON (default .venv/bin/python) runs vmsandbox here for the image builds;
 # VMSANDBOX_NESTED_DIR (default /var/tmp/vmsandbox-nested) holds the running host's files;
-# VMSANDBOX_NESTED_CPUS (default 2), VMSANDBOX_NESTED_MEMORY_MIB (default 3072),
+# VMSANDBOX_NESTED_CPUS (default 1), VMSANDBOX_NESTED_MEMORY_MIB (default 3072),
 # VMSANDBOX_NESTED_CPU (default EPYC), VMSANDBOX_NESTED_TCG_THREAD (multi or single, default
 # multi) and VMSANDBOX_NESTED_BOOT_TIMEOUT (default 900 s). L1 is a plain QEMU process under TCG
 # in a session of its own; its SSH is forwarded to 127.0.0.1 only, its monitor is a UNIX socket
@@ -28,7 +28,10 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 STATE="${VMSANDBOX_NESTED_DIR:-/var/tmp/vmsandbox-nested}"
 MEMORY_MIB="${VMSANDBOX_NESTED_MEMORY_MIB:-3072}"
-CPUS="${VMSANDBOX_NESTED_CPUS:-2}"
+# One vCPU: with two, an L1 running an L2 under KVM was lost in about one pool boot of four
+# (an RCU stall of the idle vCPU, a silent hang, a crawl); with one, none was in 30 boots
+# (docs/nested-gpu-host.md, "What was tried"). The L2 boots about 15% slower.
+CPUS="${VMSANDBOX_NESTED_CPUS:-1}"
 BOOT_TIMEOUT="${VMSANDBOX_NESTED_BOOT_TIMEOUT:-900}"
 # L1 runs kvm_amd on its emulated SVM, so L2 guests run under KVM inside it (minutes faster than
 # TCG inside TCG, which never reached SSH in 16 min here). Not with OVMF in L2: the outer QEMU
@@ -182,7 +185,7 @@ boot() {
   mkdir -p "$STATE/run"
   chmod 0700 "$STATE"
   echo "$nested" > "$STATE/image"
-  echo "$nested $minimal" > "$STATE/images"  # what a snapshot of this L1 holds (see `cmd_start`)
+  snapshot_key > "$STATE/images"  # what a snapshot of this L1 holds (see `snapshot_current`)
   ssh-keygen -q -t ed25519 -N '' -C vmsandbox-nested -f "$STATE/id_ed25519"
   ssh-keygen -q -t ed25519 -N '' -C vmsandbox-nested-host -f "$STATE/host_ed25519_key"
   free_port > "$STATE/port"
@@ -230,10 +233,15 @@ restore() {
   ssh_l1 "date -s @$(date +%s) >/dev/null && echo 1 > /sys/bus/pci/rescan"
 }
 
-# Whether the pristine snapshot is there and holds the current nested and minimal images.
+# What a snapshot holds: the nested and minimal images, and the machine it was saved from (QEMU
+# loads a saved state only into the same CPU model, vCPU count and memory size).
+snapshot_key() {
+  echo "$(image_path nested) $(image_path minimal) cpu=$L1_CPU cpus=$CPUS memory=$MEMORY_MIB"
+}
+
+# Whether the pristine snapshot is there and was saved from the current images and machine.
 snapshot_current() {
-  [ -f "$STATE/snap/state" ] \
-    && [ "$(cat "$STATE/images" 2>/dev/null)" = "$(image_path nested) $(image_path minimal)" ]
+  [ -f "$STATE/snap/state" ] && [ "$(cat "$STATE/images" 2>/dev/null)" = "$(snapshot_key)" ]
 }
 
 # The snapshot made ready for later starts (the images built, L1 booted cold and saved when
@@ -260,7 +268,8 @@ cmd_start() {
     say "starting a pristine L1 from the snapshot"
     restore
   else
-    [ ! -f "$STATE/snap/state" ] || say "the images changed since L1's snapshot was saved: booting L1 cold"
+    [ ! -f "$STATE/snap/state" ] \
+      || say "the images or L1's machine changed since its snapshot was saved: booting L1 cold"
     kill_l1
     boot
   fi
