@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
-from nested_host import START_LIMIT, NestedHost
+from nested_host import POOL_CONFIG, POOL_TOML, START_LIMIT, NestedHost
 
 from vmsandbox.sandbox.spec import generate_name
 
@@ -356,10 +356,6 @@ def test_kill_at_each_create_stage_then_reconcile_restores_everything(
 
 
 # -- GPU-ready pooled guests: GPUs attached live to a booted L2 (gpu/hotplug.py, gpuclaim.py) ---
-
-POOL_CONFIG = "/etc/vmsandbox/config.toml"  # the nested image's; names its image store
-# One shape, the size of the creates below, whose guests boot with two spare root ports.
-POOL_TOML = '[pool.gpu]\nimage = "minimal"\nmemory_mib = 512\ncount = 1\ngpus = 2\n'
 
 
 def pool_guests(host: NestedHost) -> list[dict[str, str]]:
