@@ -1,13 +1,16 @@
 """How often the nested GPU host loses an L1, for one L1 configuration.
 
-Each round starts a pristine L1 (restored from the snapshot of the first boot), creates a sandbox
-holding both emulated cards (its L2 runs under KVM inside the TCG L1), runs a command in it and
-destroys it, watched as the test module watches it (tests/nested_host.py: console, heartbeat,
-crawl). It prints one line per round and a summary, and writes JSON with ``--json FILE``.
+Each round starts a pristine L1 (restored from the snapshot of the first boot) and boots one L2
+in it under KVM inside the TCG L1, watched as the test module watches it (tests/nested_host.py:
+console, heartbeat, crawl). The workload ``create`` (the default) creates a sandbox holding both
+emulated cards, runs a command in it and destroys it; ``pool`` fills a GPU-ready pool of one
+guest (the module's shape), claims it with one GPU attached live, runs a command and destroys
+it. It prints one line per round and a summary, and writes JSON with ``--json FILE``.
 
 The configuration is setup/nested.sh's environment, for example::
 
     VMSANDBOX_NESTED_TCG_THREAD=single bench/nested_soak.py --rounds 20 --json single.json
+    bench/nested_soak.py --workload pool --rounds 10
 
 Needs root, libvirtd and the images (``make setup``); runs for several minutes per round.
 """
@@ -18,14 +21,16 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from nested_host import BudgetExhausted, L1Lost, NestedHost  # noqa: E402
+from nested_host import POOL_CONFIG, POOL_TOML, BudgetExhausted, L1Lost, NestedHost  # noqa: E402
 
 CONFIG_KEYS = (
     "VMSANDBOX_NESTED_CPU",
@@ -35,20 +40,42 @@ CONFIG_KEYS = (
 )
 
 
-def one_round(host: NestedHost, number: int) -> dict[str, object]:
-    """Restore L1, create and destroy a two-GPU sandbox: what happened and how long it took."""
+SMALL = ("--memory", "512", "--timeout", "420")
+
+
+def create(host: NestedHost, name: str) -> subprocess.CompletedProcess[str]:
+    """A cold create holding both cards."""
+    return host.run("vmsandbox", "create", name, "--gpu", "2", *SMALL, limit=600)
+
+
+def pool_claim(host: NestedHost, name: str) -> subprocess.CompletedProcess[str]:
+    """A GPU-ready pooled guest booted, then claimed with one GPU attached live."""
+    config = host.run("cat", POOL_CONFIG).stdout
+    host.run("sh", "-c", f"cat > {POOL_CONFIG}", stdin=f"{config}\n{POOL_TOML}")
+    filled = host.run("vmsandbox", "pool", "fill", limit=600)
+    if filled.returncode != 0:
+        return filled
+    return host.run("vmsandbox", "create", name, "--gpu", "1", *SMALL, "--no-refill", limit=600)
+
+
+WORKLOADS: dict[str, Callable[[NestedHost, str], subprocess.CompletedProcess[str]]] = {
+    "create": create,
+    "pool": pool_claim,
+}
+
+
+def one_round(host: NestedHost, number: int, workload: str) -> dict[str, object]:
+    """Restore L1, run the workload's create, a command in the sandbox and its destroy: what
+    happened and how long it took."""
     began = time.monotonic()
     name = f"soak{number}"
     try:
         host.boot("restart" if host.lives else "start")
         booted = time.monotonic()
-        create = host.run(
-            "vmsandbox", "create", name, "--gpu", "2", "--memory", "512", "--timeout", "420",
-            limit=600,
-        )  # fmt: skip
+        made = WORKLOADS[workload](host, name)
         created = time.monotonic()
-        if create.returncode != 0:
-            return {"round": number, "outcome": "create failed", "detail": create.stderr[-600:]}
+        if made.returncode != 0:
+            return {"round": number, "outcome": "create failed", "detail": made.stderr[-600:]}
         inside = host.run("vmsandbox", "exec", name, "--", "true")
         host.run("vmsandbox", "destroy", name)
         return {
@@ -64,6 +91,7 @@ def one_round(host: NestedHost, number: int) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="create")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
@@ -72,12 +100,12 @@ def main() -> None:
     host = NestedHost(REPO / "setup" / "nested.sh", env, state, logs)
     host.deadline = float("inf")  # a soak has no module budget
     config = {key: os.environ.get(key, "default") for key in CONFIG_KEYS}
-    print(f"configuration: {config}", flush=True)
+    print(f"configuration: {config}, workload: {args.workload}", flush=True)
     rounds = []
     began = time.monotonic()
     try:
         for number in range(1, args.rounds + 1):
-            rounds.append(one_round(host, number))
+            rounds.append(one_round(host, number, args.workload))
             print(json.dumps(rounds[-1]), flush=True)
     except BudgetExhausted:
         pass
@@ -88,6 +116,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(sys.argv),
         "configuration": config,
+        "workload": args.workload,
         "l1s_started": len(host.lives),
         "l1s_lost": sum(1 for life in host.lives if life.lost),
         "lost_why": [life.lost for life in host.lives if life.lost],
