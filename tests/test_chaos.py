@@ -7,8 +7,8 @@ and message.
 
 The restarted libvirtd is a private one of each test, in a mount namespace of its own
 (tests/test_reliability_libvirtd.py's ``PrivateLibvirtd``): restarting it disturbs no other
-test's guests, and the fixture stops it however the test ends. Select the module with
-``-m chaos`` (``make chaos``; ``make test`` leaves it out: it takes about 5 minutes);
+test's guests, and the fixture stops it however the test ends. ``make test`` runs the module
+with the rest (about 5 minutes); ``make chaos`` (``-m chaos``) runs it alone.
 ``VMSANDBOX_CHAOS_SECONDS`` sets how long the eight clients run (default 120).
 """
 

@@ -12,4 +12,6 @@ those packages): what the platform accepts is accepted and means what it means t
 it refuses is refused with ``InvalidArgument``, naming the field, the value and what is allowed.
 The few deliberate differences are listed in each module's docstring and in ``fields`` (the
 facts docs/compatibility.md is generated from). No other exception escapes.
+
+Imports: ``gpu`` (the request it produces) and the shared core only.
 """

@@ -2,6 +2,8 @@
 
 ``libvirt_hostdev_holders`` is loaded on first use so that discovery alone does not pay for
 importing libvirt.
+
+Imports: the shared core only (the lowest package: every other one may use it).
 """
 
 from __future__ import annotations

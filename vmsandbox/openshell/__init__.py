@@ -14,4 +14,7 @@ DriverSandbox snapshot), ``transitions`` (when each condition last changed), ``e
 optional openshell-sandbox in every guest), ``tunnel`` (its SSH way back to the gateway),
 ``socket`` (the socket, its modes and the peer check), ``splice`` (the two-way copy both relay
 through), ``server`` (serving until SIGTERM).
+
+Imports: ``compat``, ``sandbox`` and the packages below it, and the shared core; never ``cli``
+or ``fleet``.
 """

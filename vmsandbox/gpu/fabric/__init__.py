@@ -15,4 +15,6 @@ One module per concept:
 
 The in-guest NVLink checks run with the other checks of a booted guest
 (``vmsandbox.guest.verify.nvlink``).
+
+Imports: the rest of ``gpu``, ``host`` and the shared core only.
 """

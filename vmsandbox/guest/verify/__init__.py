@@ -20,6 +20,8 @@ is the way to hand a driverless guest to someone who brings their own). ``verify
 ``VerificationReport`` (``vmsandbox.guest.verify.report``); ``raise_if_failed`` turns a failed
 one into ``GuestVerificationFailed``. The tools' outputs are read by
 ``vmsandbox.guest.verify.parse``.
+
+Imports: the rest of ``guest``, ``gpu``, ``host`` and the shared core only.
 """
 
 from __future__ import annotations
