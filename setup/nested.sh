@@ -29,8 +29,8 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 STATE="${VMSANDBOX_NESTED_DIR:-/var/tmp/vmsandbox-nested}"
 MEMORY_MIB="${VMSANDBOX_NESTED_MEMORY_MIB:-3072}"
 # One vCPU: with two, an L1 running an L2 under KVM was lost in about one pool boot of four
-# (an RCU stall of the idle vCPU, a silent hang, a crawl); with one, none was in 30 boots
-# (docs/nested-gpu-host.md, "What was tried"). The L2 boots about 15% slower.
+# (an RCU stall of the idle vCPU, a silent hang, a crawl); with one, none was in the runs that
+# docs/nested-gpu-host.md lists under "What was tried". The L2 boots about 15% slower.
 CPUS="${VMSANDBOX_NESTED_CPUS:-1}"
 BOOT_TIMEOUT="${VMSANDBOX_NESTED_BOOT_TIMEOUT:-900}"
 # L1 runs kvm_amd on its emulated SVM, so L2 guests run under KVM inside it (minutes faster than
