@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -455,3 +456,26 @@ def test_this_host_real_sysfs() -> None:
     assert inventory.pci_devices == len(devices)
     if not iommu:
         assert all(gpu.reasons[0] == IOMMU_OFF for gpu in inventory.gpus)
+
+
+def test_each_thread_looks_at_the_host_through_a_udev_context_of_its_own() -> None:
+    """libudev(3): an object belongs to the one thread that made it, for its whole life, and
+    ``vmsandbox serve`` looks at the host from several RPC threads at once."""
+    from vmsandbox.host import sysfs
+
+    together = threading.Barrier(4)
+    seen: list[tuple[object, object]] = []
+
+    def look() -> None:
+        first = sysfs.udev_context()
+        together.wait(timeout=30)  # all four threads alive at once
+        seen.append((first, sysfs.udev_context()))
+
+    threads = [threading.Thread(target=look) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(seen) == 4
+    assert all(first is again for first, again in seen)  # one per thread, kept
+    assert len({id(first) for first, _ in seen}) == 4

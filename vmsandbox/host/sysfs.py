@@ -13,8 +13,8 @@ udev properties (hwdb names, which on a real host live in the udev database, not
 
 from __future__ import annotations
 
-import functools
 import os
+import threading
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -27,12 +27,20 @@ SYS_PCI_DEVICES = "/sys/bus/pci/devices"
 PCI_BRIDGE_CLASS = 0x0604
 
 
-@functools.cache
-def udev_context() -> pyudev.Context:
-    """One pyudev context per process: creating one runs ``ldconfig -p`` to find libudev."""
-    import pyudev
+_this_thread = threading.local()
 
-    return pyudev.Context()
+
+def udev_context() -> pyudev.Context:
+    """This thread's pyudev context. libudev is not thread-safe (a context and the devices made
+    from it take references on each other without atomics), and ``vmsandbox serve`` looks at
+    the host from several RPC threads at once; so each thread has a context of its own, made
+    on its first look (it runs ``ldconfig -p`` to find libudev)."""
+    context = getattr(_this_thread, "udev", None)
+    if context is None:
+        import pyudev
+
+        context = _this_thread.udev = pyudev.Context()
+    return context
 
 
 def _read_uevent(path: str) -> dict[str, str]:
