@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -52,15 +53,15 @@ DRIVER = "535.216.01"  # the NVIDIA driver the image records and the fake FM rep
 
 class SharedHypervisor(FakeHypervisor):
     """The fake hypervisor shared by the driver's threads: one call at a time, as libvirtd
-    serializes what it changes."""
+    serializes what it changes. Every public method is wrapped when the instance is made (a
+    dataclass's ``__init__`` calls no ``__post_init__`` that its own class lacks)."""
 
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
+        super().__init__()
         self._lock = threading.RLock()
-        for name in (
-            "define", "start", "stop", "shutdown", "undefine", "running", "stop_reason", "list",
-            "metadata", "set_metadata", "lease_address", "hostdev_holders", "attach", "detach",
-        ):  # fmt: skip
-            setattr(self, name, self._locked(getattr(self, name)))
+        for name, method in vars(FakeHypervisor).items():
+            if callable(method) and not name.startswith("_"):
+                setattr(self, name, self._locked(getattr(self, name)))
 
     def _locked(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -108,6 +109,9 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=0)
     parser.add_argument("--metrics-address", help="HOST:PORT for the host's Prometheus metrics")
     args = parser.parse_args()
+    # gRPC logs an RPC's unhandled exception with its traceback (the caller sees only UNKNOWN):
+    # into this host's log, as ``vmsandbox serve`` does.
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     overrides: dict[str, object] = {"boot_timeout": 30.0}
