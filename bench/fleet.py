@@ -18,12 +18,16 @@ What it reports (``--json FILE`` writes the same keys):
 - ``constraint_violations``: sandboxes whose GPUs are not what was asked (count, whole
   partition in shared NVSwitch mode, 1 or all in full passthrough);
 - ``unaccounted``: creates that neither succeeded (and exist on their host, or were deleted)
-  nor failed with a clear refusal (RESOURCE_EXHAUSTED, UNAVAILABLE, ALREADY_EXISTS);
+  nor failed with a clear refusal (RESOURCE_EXHAUSTED, UNAVAILABLE, ALREADY_EXISTS); a delete
+  answered UNAVAILABLE is asked again once the clients are done, as a gateway retries, and
+  counts as done when the fleet then has no such sandbox (its answer was lost with its host);
 - ``drift_gpus``: once quiet, the sum over live hosts of |Ray's free GPUs - the host's own|;
 - ``host_lost_marked_s``: from the kill until the fleet marks the host lost;
 - ``stranded_claims``: 10 s after that, claims of sandboxes on the lost host or of none;
-- ``wall_s``, ``peak_rss_mib``: the run's time and the most memory its processes (the fleet's
-  included) held at once.
+- ``wall_s``: the run's time;
+- ``peak_rss_mib``, ``peak_pss_mib``: the most memory its processes (the fleet's included) held
+  at once, as their RSS summed (a page that Ray's processes share counts once per process) and
+  as their PSS summed (each shared page split among them: what the run holds).
 
 Usage (as root, with the fleet extra): .venv/bin/python bench/fleet.py [--creates 300]
        [--clients 8] [--json FILE]
@@ -32,6 +36,7 @@ Usage (as root, with the fleet extra): .venv/bin/python bench/fleet.py [--create
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -70,42 +75,57 @@ QUIET_S = 60.0
 
 
 class Memory:
-    """The peak of the summed RSS of this process and all its descendants, sampled."""
+    """The peaks of the memory of this process and all its descendants, sampled: their RSS
+    summed (shared pages counted once per process that maps them) and their PSS summed (each
+    shared page split among its sharers: what the tree holds)."""
 
     def __init__(self) -> None:
-        self.peak_kib = 0
+        self.peak_rss_kib = 0
+        self.peak_pss_kib = 0
         self._stop = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
         while not self._stop.wait(0.5):
-            self.peak_kib = max(self.peak_kib, _tree_rss_kib(os.getpid()))
+            pids = _tree(os.getpid())
+            self.peak_rss_kib = max(
+                self.peak_rss_kib, sum(_kib(pid, "status", "VmRSS") for pid in pids)
+            )
+            self.peak_pss_kib = max(
+                self.peak_pss_kib, sum(_kib(pid, "smaps_rollup", "Pss") for pid in pids)
+            )
 
-    def stop(self) -> float:
+    def stop(self) -> tuple[float, float]:
+        """The peaks in MiB: summed RSS, summed PSS."""
         self._stop.set()
-        return self.peak_kib / 1024
+        return self.peak_rss_kib / 1024, self.peak_pss_kib / 1024
 
 
-def _tree_rss_kib(root: int) -> int:
+def _tree(root: int) -> list[int]:
+    """``root`` and every process descended from it."""
     children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        pid, ppid = int(entry.name), int(fields.get("PPid", "0").strip())
-        children.setdefault(ppid, []).append(pid)
-        rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) if "VmRSS" in fields else 0
-    total, todo = 0, [root]
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
     while todo:
         pid = todo.pop()
-        total += rss.get(pid, 0)
+        found.append(pid)
         todo += children.get(pid, [])
-    return total
+    return found
+
+
+def _kib(pid: int, table: str, key: str) -> int:
+    """The ``key`` line of /proc/PID/``table`` in KiB (0 when the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/{table}").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class Load:
@@ -120,6 +140,8 @@ class Load:
         self.latencies: list[float] = []
         self.wanted: dict[str, int] = {}  # sandbox id -> GPUs asked, for those created
         self.deleted: set[str] = set()
+        self.history: dict[str, list[str]] = {}  # sandbox id -> the answers the client got
+        self.unsure: set[str] = set()  # deletes answered UNAVAILABLE
         self.outcomes: dict[str, int] = {}
         self.unaccounted: list[str] = []  # what happened to each create not accounted for
         self.halfway = threading.Event()
@@ -158,6 +180,7 @@ class Load:
                 except grpc.RpcError as exc:
                     code = exc.code().name
                 with self.lock:
+                    self.history.setdefault(sandbox.id, []).append(f"create {code}")
                     self.outcomes[code] = self.outcomes.get(code, 0) + 1
                     if code == "OK":
                         self.latencies.append(time.monotonic() - started)
@@ -173,10 +196,33 @@ class Load:
                         )
                         with self.lock:
                             self.deleted.add(victim)
+                            self.history.setdefault(victim, []).append("delete OK")
                     except grpc.RpcError as exc:
-                        if exc.code().name != "UNAVAILABLE":  # its host is lost: kept there
-                            with self.lock:
+                        with self.lock:
+                            self.history.setdefault(victim, []).append(f"delete {exc.code().name}")
+                        with self.lock:
+                            if exc.code().name == "UNAVAILABLE":  # its outcome is not known
+                                self.unsure.add(victim)
+                            else:
                                 self.unaccounted.append(f"delete {victim}: {exc.code().name}")
+
+    def settle(self) -> None:
+        """Ask again, as a gateway retries, for each delete answered UNAVAILABLE: its host was
+        lost (kept there: UNAVAILABLE again), or the delete went through and only its answer
+        was lost (NOT_FOUND now: deleted)."""
+        channel, driver = stub(self.socket_path)
+        with channel:
+            for victim in sorted(self.unsure):
+                try:
+                    driver.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=victim), timeout=120)
+                    code = "OK"
+                except grpc.RpcError as exc:
+                    code = exc.code().name
+                self.history.setdefault(victim, []).append(f"delete again {code}")
+                if code in ("OK", "NOT_FOUND"):
+                    self.deleted.add(victim)
+                elif code != "UNAVAILABLE":
+                    self.unaccounted.append(f"delete {victim} again: {code}")
 
 
 def audit(infos: dict[str, dict[str, Any]], load: Load) -> tuple[int, int, list[str]]:
@@ -206,6 +252,19 @@ def audit(infos: dict[str, dict[str, Any]], load: Load) -> tuple[int, int, list[
                 violations += 1
     missing = set(load.wanted) - load.deleted - found
     return doubles, violations, sorted(missing)
+
+
+def server_errors(log: Path, lines: int = 60) -> str:
+    """A server's tracebacks and error lines from its log, the last ``lines`` of them."""
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    kept, inside = [], False
+    for line in text:
+        inside = inside or line.startswith("Traceback")
+        if inside or " ERROR " in line or "Exception" in line:
+            kept.append(line)
+        if inside and line and not line[0].isspace() and not line.startswith("Traceback"):
+            inside = False  # the exception's own line ends a traceback
+    return "\n".join([f"errors in {log.name}:", *kept[-lines:]])
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -253,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             marked = time.monotonic() - killed
             for thread in threads:
                 thread.join()
+            load.settle()
             load_s = time.monotonic() - load_began
             time.sleep(max(0.0, STRANDED_AFTER_S - (time.monotonic() - killed - marked)))
             live = {n: read_host(str(s), wait=False) for n, s in sockets.items() if n != KILLED}
@@ -271,10 +331,21 @@ def main(argv: list[str] | None = None) -> int:
             infos = {n: read_host(str(s), wait=False) for n, s in sockets.items()}
             doubles, violations, missing = audit(infos, load)
             fleet.close()
+            if load.unaccounted or missing:  # the servers' own account of what went wrong
+                logs = [made.root / "serve-bench.log", *sorted(made.root.glob("driver-*.log"))]
+                for log in logs:
+                    print(server_errors(log))
+                for sandbox_id in missing:
+                    print(f"{sandbox_id}: {load.history.get(sandbox_id, [])}")
+                    for log in logs:
+                        for line in log.read_text(errors="replace").splitlines():
+                            if sandbox_id in line:
+                                print(f"  {log.name}: {line}")
         finally:
             for process in drivers:
                 process.terminate()
                 process.wait(timeout=30)
+    peak_rss, peak_pss = memory.stop()
     figures = {
         "placement_p50_ms": round(percentile(load.latencies, 0.5) * 1000, 1),
         "placement_p99_ms": round(percentile(load.latencies, 0.99) * 1000, 1),
@@ -286,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         "host_lost_marked_s": round(marked, 2),
         "stranded_claims": stranded,
         "wall_s": round(time.monotonic() - began, 1),
-        "peak_rss_mib": round(memory.stop(), 1),
+        "peak_rss_mib": round(peak_rss, 1),
+        "peak_pss_mib": round(peak_pss, 1),
     }
     print(f"outcomes: {json.dumps(load.outcomes, sort_keys=True)}")
     for why in [*load.unaccounted, *(f"missing on every host: {sid}" for sid in missing)]:
