@@ -119,12 +119,10 @@ def _tree(root: int) -> list[int]:
 
 def _kib(pid: int, table: str, key: str) -> int:
     """The ``key`` line of /proc/PID/``table`` in KiB (0 when the process is gone)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path(f"/proc/{pid}/{table}").read_text().splitlines():
             if line.startswith(f"{key}:"):
                 return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
     return 0
 
 
