@@ -53,7 +53,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")  # read by Ray when it is import
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 import grpc  # noqa: E402
-from fleet_cluster import cluster, free_port, own_network, start_fake_host  # noqa: E402
+from fleet_cluster import cluster, free_port, own_network, start_fake_host, stop  # noqa: E402
 from openshell_client import stub  # noqa: E402
 
 from vmsandbox.fleet import claims, model  # noqa: E402
@@ -341,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                                 print(f"  {log.name}: {line}")
         finally:
             for process in drivers:
-                process.terminate()
-                process.wait(timeout=30)
+                stop(process)  # SIGTERM; its whole session killed if it does not end
     peak_rss, peak_pss = memory.stop()
     figures = {
         "placement_p50_ms": round(percentile(load.latencies, 0.5) * 1000, 1),
