@@ -198,7 +198,6 @@ class Load:
                     except grpc.RpcError as exc:
                         with self.lock:
                             self.history.setdefault(victim, []).append(f"delete {exc.code().name}")
-                        with self.lock:
                             if exc.code().name == "UNAVAILABLE":  # its outcome is not known
                                 self.unsure.add(victim)
                             else:
@@ -252,9 +251,9 @@ def audit(infos: dict[str, dict[str, Any]], load: Load) -> tuple[int, int, list[
     return doubles, violations, sorted(missing)
 
 
-def server_errors(log: Path, lines: int = 60) -> str:
-    """A server's tracebacks and error lines from its log, the last ``lines`` of them."""
-    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+def server_errors(name: str, text: list[str], lines: int = 60) -> str:
+    """A server's tracebacks and error lines from its log ``name`` (``text``: its lines), the
+    last ``lines`` of them."""
     kept, inside = [], False
     for line in text:
         inside = inside or line.startswith("Traceback")
@@ -262,7 +261,7 @@ def server_errors(log: Path, lines: int = 60) -> str:
             kept.append(line)
         if inside and line and not line[0].isspace() and not line.startswith("Traceback"):
             inside = False  # the exception's own line ends a traceback
-    return "\n".join([f"errors in {log.name}:", *kept[-lines:]])
+    return "\n".join([f"errors in {name}:", *kept[-lines:]])
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -331,14 +330,15 @@ def main(argv: list[str] | None = None) -> int:
             fleet.close()
             if load.unaccounted or missing:  # the servers' own account of what went wrong
                 logs = [made.root / "serve-bench.log", *sorted(made.root.glob("driver-*.log"))]
-                for log in logs:
-                    print(server_errors(log))
+                texts = {log.name: log.read_text(errors="replace").splitlines() for log in logs}
+                for name, lines in texts.items():
+                    print(server_errors(name, lines))
                 for sandbox_id in missing:
                     print(f"{sandbox_id}: {load.history.get(sandbox_id, [])}")
-                    for log in logs:
-                        for line in log.read_text(errors="replace").splitlines():
-                            if sandbox_id in line:
-                                print(f"  {log.name}: {line}")
+                    for name, lines in texts.items():
+                        print(
+                            "".join(f"  {name}: {ln}\n" for ln in lines if sandbox_id in ln), end=""
+                        )
         finally:
             for process in drivers:
                 stop(process)  # SIGTERM; its whole session killed if it does not end
