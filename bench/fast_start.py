@@ -58,7 +58,7 @@ BOOT_TIMEOUT_S = 900.0
 COLD_TARGET = 3.0
 HIT_TARGET = 0.2
 POLL_S = 0.01
-# "vmsandbox-boot: <event> at <uptime>s": the guest's own clock (images/minimal/lean.sh).
+# "vmsandbox-boot: <event> at <uptime>s": the guest's own clock (images/common/lean.sh).
 MARK = re.compile(rb"vmsandbox-boot: (?P<event>[^\r\n]+?) at (?P<at>\d+(?:\.\d+)?)s")
 INITRAMFS, SYSTEMD, SSHD = "initramfs started", "systemd starting", "sshd is up"
 # Images without those lines: the first console line of each stage, in boot order.

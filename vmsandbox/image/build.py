@@ -22,7 +22,7 @@ from vmsandbox.progress import Progress
 from vmsandbox.tools import run_streaming, run_tool
 
 KERNEL_CMDLINE = "root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 biosdevname=0"
-# Given to guests that boot with passed devices: the lean initramfs (images/minimal/lean.sh)
+# Given to guests that boot with passed devices: the lean initramfs (images/common/lean.sh)
 # then leaves the NIC's driver to udev instead of loading it before systemd. With the NIC's
 # driver loaded that early, every GPU guest booted on the nested test host (KVM in a TCG
 # guest) made that host's kernel panic in KVM's vCPU reset; loaded by udev, it boots.

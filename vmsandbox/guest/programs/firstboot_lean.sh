@@ -2,7 +2,7 @@
 # vmsandbox's first boot without an interpreter: applies the plain-text file `vmsandbox-firstboot`
 # that vmsandbox adds to the NoCloud seed of a sandbox needing no guest setup (no files, no
 # commands, a static NIC). The minimal image's initramfs runs it with busybox before systemd
-# starts (images/minimal/lean.sh); seeds without the file are left to the Python unit
+# starts (images/common/lean.sh); seeds without the file are left to the Python unit
 # (firstboot.py), which applies the same values from the seed's JSON files.
 #
 # Usage: firstboot_lean.sh SEED ROOT DEVICE

@@ -1,7 +1,8 @@
 #!/bin/sh
-# A lean boot for the minimal image: a sandbox answers SSH as soon as it can. $1 is the image's
-# root directory. Runs after the common scripts. Stock cloud images are not touched by any of this: they boot
-# with their own configuration and the same standard NoCloud seed.
+# A lean boot for vmsandbox's own images (minimal, nvidia): a sandbox answers SSH as soon as it
+# can. $1 is the image's root directory. Runs after the other common scripts; an image's own
+# lean steps (images/nvidia/lean.sh) run after it. Stock cloud images are not touched by any of
+# this: they boot with their own configuration and the same standard NoCloud seed.
 set -eu
 root="$1"
 
@@ -53,7 +54,7 @@ add_modules modules.seed isofs
 cat > "$work/init" <<'INIT'
 #!/bin/sh
 # vmsandbox's initramfs: the root's modules, the root, the seed, then systemd
-# (images/minimal/lean.sh).
+# (images/common/lean.sh).
 export PATH=/bin
 mount -t devtmpfs devtmpfs /dev
 mount -t proc proc /proc
