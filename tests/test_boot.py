@@ -152,7 +152,7 @@ STATUS_SSHD = (
     "\x1b[0;1;39mssh.service\x1b[0m - OpenBSD Secure Shell server."
 )
 STATUS_ONLINE = "[  OK  ] Reached target network-online.target - Network is Online."
-# The project's images boot with "quiet": their own lines say it (images/minimal/lean.sh).
+# The project's images boot with "quiet": their own lines say it (images/common/lean.sh).
 LEAN_NIC = "vmsandbox-firstboot: eth0 is up at 10.0.2.15/24"
 LEAN_SSHD = "vmsandbox-boot: sshd is up at 2.71s"
 LEAN_ONLINE = "vmsandbox-boot: network is online at 4.02s"
