@@ -12,11 +12,11 @@ into stages:
     firmware                    QEMU's start until the guest kernel's: SeaBIOS, and the kernel
                                 and initramfs read in through fw_cfg
     kernel                      the kernel until its initramfs runs
-    initramfs                   until it starts systemd (the minimal image applies the seed here)
+    initramfs                   until it starts systemd (vmsandbox's images apply the seed here)
     userspace until sshd        systemd's start until sshd is up
     vmsandbox until ready       sshd up until the create returns: the SSH wait and first login
 
-The guest's stages are its own clock: the minimal image writes "vmsandbox-boot: <event> at
+The guest's stages are its own clock: vmsandbox's images write "vmsandbox-boot: <event> at
 <uptime>s" on its console. The console log is read as it grows, and the lines' arrival places
 the guest's clock on the host's. For images without those lines the stages are the host's time
 to the first console line of each (older builds), and the stage table says so. Once the
@@ -28,11 +28,15 @@ stages are the claim's steps as the create reports them (``stage_seconds``: the 
 wait, the claim, the hostname, the ready record), and the rest of the process (Python, imports,
 libvirt's connection, the exit).
 
+``--image NAME`` measures another image (``nvidia``: the driver's image, no GPU passed); its
+report is ``fast_start_NAME.json``, minimal's ``fast_start.json``.
+
 Targets: cold at most 3x the floor, a pool hit at most 0.2x the floor (the mean of the rounds'
 ratios). Each round's floor is the mean of one boot right before its creates and one right
 after them: on a machine others share, the load moves within a minute.
 
-Usage: .venv/bin/python bench/fast_start.py [--rounds 1] [--warmup 0] [--out DIR] [--json FILE]
+Usage: .venv/bin/python bench/fast_start.py [--rounds 1] [--warmup 0] [--image minimal]
+                                            [--out DIR] [--json FILE]
        .venv/bin/python bench/fast_start.py --markdown FILE   (a report as a Markdown section)
 """
 
@@ -209,12 +213,12 @@ class ConsoleClock:
         return {**seen, "SSH ready (create returned)": round(ended - self.started, 3)}
 
 
-def cold(state: Path, env: dict[str, str], tag: str) -> dict[str, Any]:
+def cold(state: Path, env: dict[str, str], tag: str, image: str) -> dict[str, Any]:
     """One cold create: its seconds, its stages, and systemd-analyze's view of the guest."""
     name = common.name("fs", tag)
     console = state / "sandboxes" / f"{name}.console.log"
     pid_file = Path("/run/libvirt/qemu") / f"vmsbx-{name}.pid"
-    argv = [common.VMSANDBOX, "create", name, "--timeout", str(BOOT_TIMEOUT_S)]
+    argv = [common.VMSANDBOX, "create", name, "--image", image, "--timeout", str(BOOT_TIMEOUT_S)]
     try:
         with ConsoleClock(console, pid_file) as clock:
             common.run(argv, env=env, timeout=BOOT_TIMEOUT_S + 60)
@@ -247,11 +251,11 @@ def cold(state: Path, env: dict[str, str], tag: str) -> dict[str, Any]:
     }
 
 
-def pool_hit(env: dict[str, str], tag: str) -> dict[str, Any]:
+def pool_hit(env: dict[str, str], tag: str, image: str) -> dict[str, Any]:
     """Fill the pool (not timed), then one create that claims its guest."""
     common.run([common.VMSANDBOX, "pool", "fill"], env=env, timeout=BOOT_TIMEOUT_S + 60)
     name = common.name("fs", tag)
-    argv = [common.VMSANDBOX, "--json", "create", name, "--no-refill"]
+    argv = [common.VMSANDBOX, "--json", "create", name, "--image", image, "--no-refill"]
     try:
         start = time.perf_counter()
         done = common.run(argv, env=env, timeout=300)
@@ -268,7 +272,11 @@ def pool_hit(env: dict[str, str], tag: str) -> dict[str, Any]:
 
 def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Warm-up and counted rounds: a floor, a cold create and a pool hit each."""
-    image = common.IMAGES / common.IMAGE / "current"
+    image = common.IMAGES / args.image / "current"
+    if not (image / "vmlinuz").is_file():
+        raise common.BenchError(
+            f"no built image {args.image!r} in {common.IMAGES}: vmsandbox images build {args.image}"
+        )
     rounds: list[dict[str, Any]] = []
     with (
         common.state_dir("fs-cold") as cold_state,
@@ -277,7 +285,7 @@ def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
         common.Cleanup() as cleanup,
     ):
         initrd = floor_initramfs(Path(folder))
-        (pool_state / "config.toml").write_text(f"[pool]\n{common.IMAGE} = 1\n")
+        (pool_state / "config.toml").write_text(f"[pool]\n{args.image} = 1\n")
         cold_env = common.vmsandbox_env(cold_state)
         pool_env = {
             **common.vmsandbox_env(pool_state),
@@ -287,8 +295,8 @@ def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
         for number in range(args.warmup + args.rounds):
             tag = f"r{number}"
             before = floor_seconds(image / "vmlinuz", initrd)
-            made = cold(cold_state, cold_env, f"c{tag}")
-            hit = pool_hit(pool_env, f"h{tag}")
+            made = cold(cold_state, cold_env, f"c{tag}", args.image)
+            hit = pool_hit(pool_env, f"h{tag}", args.image)
             after = floor_seconds(image / "vmlinuz", initrd)
             floor = round((before + after) / 2, 3)
             print(
@@ -363,7 +371,8 @@ def markdown(data: dict[str, Any]) -> str:
     """A report as the performance page's section: the machine, the figures, the stages."""
     s, m = data["summary"], data["machine"]
     lines = [
-        f"`bench/fast_start.py --rounds {data['rounds']}` ({data['when']}): {m['cpus']} CPUs "
+        f"`bench/fast_start.py --rounds {data['rounds']} --image {data.get('image', 'minimal')}` "
+        f"({data['when']}): {m['cpus']} CPUs "
         f"({m['cpu_model']}), {m['qemu']}, load average {m['load_average'][0]} at the end. "
         "Each round boots the floor, then a cold create, then a pool hit.",
         "",
@@ -393,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = common.arguments(__doc__, rounds=1, warmup=0)
     parser.add_argument("--json", type=Path, help="also write the report to this file")
     parser.add_argument(
+        "--image", default=common.IMAGE, help=f"the image to measure ({common.IMAGE})"
+    )
+    parser.add_argument(
         "--markdown", type=Path, metavar="FILE", help="print report FILE as Markdown; no run"
     )
     args = common.parse_args(parser, argv)
@@ -400,7 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(markdown(json.loads(args.markdown.read_text())), end="")
         return 0
     common.require("qemu-system-x86_64", "qemu-img", "genisoimage")
-    report = common.Report("fast_start", args.rounds, args.warmup)
+    bench = "fast_start" if args.image == common.IMAGE else f"fast_start_{args.image}"
+    report = common.Report(bench, args.rounds, args.warmup)
+    report.extra["image"] = args.image
     rounds = run_rounds(args)
     report.extra.update(per_round=rounds, summary=summary(rounds))
     s = report.extra["summary"]

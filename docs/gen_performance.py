@@ -35,6 +35,11 @@ ABOUT: dict[str, tuple[str, str]] = {
         "a pooled guest), against the boot floor: the image's own kernel booted by QEMU "
         "(TCG, 1 vCPU, 1 GiB) into an initramfs that powers off at once.",
     ),
+    "fast_start_nvidia": (
+        "Fast start, nvidia image",
+        "The same as Fast start with the `nvidia` image (the NVIDIA driver, no GPU passed): "
+        "`bench/fast_start.py --image nvidia`.",
+    ),
     "ssh_ready": (
         "Create until SSH",
         "A: `vmsandbox create`, which returns when SSH takes the sandbox's key. B: `virsh "
