@@ -126,12 +126,13 @@ class Client:
 
     def fill(self) -> None:
         """Keep the pool full of defined (not booted) guests."""
-        from vmsandbox.sandbox import claim, runner
-        from vmsandbox.sandbox.pool import PoolFull, shape_spec
+        from vmsandbox.sandbox import runner
+        from vmsandbox.sandbox.pool.shapes import PoolFull, shape_spec
+        from vmsandbox.sandbox.pool.steps import FILL_STEPS
 
         m = self.manager
         shape = m.config.pool[0]
-        steps = tuple(s for s in claim.FILL_STEPS if s.name not in ("start", "wait", "settle"))
+        steps = tuple(s for s in FILL_STEPS if s.name not in ("start", "wait", "settle"))
         spec = shape_spec(shape)
         creation = m.pool.creation(spec, spec.name or "", m.images.get(IMAGE), lambda _l: None)
         creation.pool_key, creation.doing = shape.key, "fill"

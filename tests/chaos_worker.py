@@ -29,13 +29,14 @@ from vmsandbox.config import Config
 from vmsandbox.errors import VmSandboxError
 from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.guest.ssh import ExecResult
-from vmsandbox.sandbox import claim, runner
+from vmsandbox.sandbox import runner
 from vmsandbox.sandbox.manager import SandboxManager
-from vmsandbox.sandbox.pool import PoolFull, shape_spec
+from vmsandbox.sandbox.pool.shapes import PoolFull, shape_spec
+from vmsandbox.sandbox.pool.steps import FILL_STEPS
 from vmsandbox.sandbox.spec import SandboxSpec
 
 IMAGE = "chaos"
-DEFINED_FILL = tuple(s for s in claim.FILL_STEPS if s.name not in ("start", "wait", "settle"))
+DEFINED_FILL = tuple(s for s in FILL_STEPS if s.name not in ("start", "wait", "settle"))
 
 
 def answering(*_args: Any, **_kwargs: Any) -> ExecResult:

@@ -2,7 +2,7 @@
 
 ``python tests/crash_cli.py STAGE ARGS...`` runs ``vmsandbox ARGS...``; when a create reaches
 checkpoint STAGE (sandbox/lifecycle.py: ``locked`` or a step's name, also of a pool fill or
-claim: sandbox/warmpool.py's ``FILL_STEPS``, ``CLAIM_STEPS`` and ``GPU_CLAIM_STEPS``, e.g.
+claim: sandbox/pool/steps.py's ``FILL_STEPS``, ``CLAIM_STEPS`` and ``GPU_CLAIM_STEPS``, e.g.
 ``attach``) it prints ``vmsandbox-checkpoint STAGE`` on stderr and waits there to be killed.
 The product has no such hook of its own: the tests put it in through
 ``SandboxManager.checkpoint``.

@@ -43,8 +43,9 @@ from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
 from vmsandbox.openshell.readiness import Readiness
 from vmsandbox.openshell.service import ComputeDriver
-from vmsandbox.sandbox import claim, pool, runner, warmpool
+from vmsandbox.sandbox import runner
 from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.pool import keeper, shapes, steps
 from vmsandbox.sandbox.record import STATE_READY
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "fmpm"
@@ -92,13 +93,13 @@ def fill(manager: SandboxManager) -> None:
     """Make pooled guests until every shape is full (no SSH: the fill does not wait)."""
     image = manager.images.get("tiny")
     for shape in manager.config.pool:
-        while len([r for r, *_ in manager.pool.guests() if pool.holds(shape, r)]) < shape.count:
-            spec = pool.shape_spec(shape)
+        while len([r for r, *_ in manager.pool.guests() if shapes.holds(shape, r)]) < shape.count:
+            spec = shapes.shape_spec(shape)
             assert spec.name is not None
             creation = manager.pool.creation(spec, spec.name, image, lambda _line: None)
             creation.wait = False
             creation.pool_key, creation.doing = shape.key, "fill"
-            runner.run(claim.FILL_STEPS, creation, manager.locked, manager.checkpoint)
+            runner.run(steps.FILL_STEPS, creation, manager.locked, manager.checkpoint)
 
 
 def main() -> None:
@@ -137,17 +138,17 @@ def main() -> None:
     def manager() -> SandboxManager:
         return SandboxManager(config, hypervisor=hypervisor, reconcile=False)
 
-    warmpool.CLAIM_STEPS = tuple(s for s in claim.CLAIM_STEPS if s.name != "hostname")
+    keeper.CLAIM_STEPS = tuple(s for s in steps.CLAIM_STEPS if s.name != "hostname")
     refill = threading.Lock()
 
-    def refill_here(_pool: warmpool.WarmPool) -> None:
+    def refill_here(_pool: keeper.WarmPool) -> None:
         def run() -> None:
             with refill, manager() as m:
                 fill(m)
 
         threading.Thread(target=run, daemon=True).start()
 
-    warmpool.WarmPool.refill_in_background = refill_here  # type: ignore[method-assign]
+    keeper.WarmPool.refill_in_background = refill_here  # type: ignore[method-assign]
     with manager() as m:
         fill(m)
     metrics = HostMetrics(manager) if args.metrics_address else None

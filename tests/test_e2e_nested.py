@@ -355,7 +355,7 @@ def test_kill_at_each_create_stage_then_reconcile_restores_everything(
     assert run.drivers_after == cards
 
 
-# -- GPU-ready pooled guests: GPUs attached live to a booted L2 (gpu/hotplug.py, gpuclaim.py) ---
+# -- GPU-ready pooled guests: GPUs attached live to a booted L2 (gpu/hotplug.py, pool/gpu_steps.py)
 
 
 def pool_guests(host: NestedHost) -> list[dict[str, str]]:

@@ -1,4 +1,4 @@
-"""Claiming a GPU-ready pooled guest (sandbox/warmpool.py, gpuclaim.py) against the in-memory
+"""Claiming a GPU-ready pooled guest (sandbox/pool/keeper.py, gpu_steps.py) against the in-memory
 hypervisor (tests/fake_hypervisor.py), a fake guest that answers the claim's commands, and the
 GPUs of the HGX fake host as umockdev discovery sees them (made AMD cards, so that the in-guest
 verification is the PCI check: the NVIDIA checks have tests of their own in test_verify.py).
@@ -32,8 +32,11 @@ from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.guest.ssh import Endpoint, ExecResult
 from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.host.model import Inventory
-from vmsandbox.sandbox import claim, gpuclaim, pool, runner
+from vmsandbox.sandbox import runner
 from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.pool import gpu_steps
+from vmsandbox.sandbox.pool.shapes import shape_spec
+from vmsandbox.sandbox.pool.steps import FILL_STEPS, GPU_CLAIM_STEPS
 from vmsandbox.sandbox.spec import SandboxSpec
 
 SHAPE = {"image": "tiny", "memory_mib": 256, "disk_gib": 1, "count": 1, "gpus": 2}
@@ -146,13 +149,13 @@ def manager(
 def pooled_guest(manager: SandboxManager) -> str:
     """A GPU-ready pooled guest made by the fill steps (not waited for: no sshd here)."""
     shape = manager.config.pool[0]
-    spec = pool.shape_spec(shape)
+    spec = shape_spec(shape)
     assert spec.name is not None
     creation = manager.pool.creation(spec, spec.name, manager.images.get("tiny"), print)
     creation.wait = False
     creation.pool_key = shape.key
     creation.hotplug = manager.pool.spare_ports(shape, creation.virt_type)
-    runner.run(claim.FILL_STEPS, creation, manager.locked, manager.checkpoint)
+    runner.run(FILL_STEPS, creation, manager.locked, manager.checkpoint)
     return spec.name
 
 
@@ -232,11 +235,11 @@ def test_a_host_without_gpu_ready_guests_boots_cold(
     """A pooled guest without spare ports (filled where there was no bindable GPU) serves
     GPU-less creates only."""
     shape = manager.config.pool[0]
-    spec = pool.shape_spec(shape)
+    spec = shape_spec(shape)
     assert spec.name is not None
     creation = manager.pool.creation(spec, spec.name, manager.images.get("tiny"), print)
     creation.wait, creation.pool_key = False, shape.key
-    runner.run(claim.FILL_STEPS, creation, manager.locked, manager.checkpoint)
+    runner.run(FILL_STEPS, creation, manager.locked, manager.checkpoint)
     sandbox = manager.create(gpu_spec(1, "cold"), wait=False)
     assert sandbox.domain == "vmsbx-cold"
     assert hv.domains[f"vmsbx-{spec.name}"].state == "pooled"
@@ -276,7 +279,7 @@ def test_a_failed_claim_gives_everything_back(
         )
     elif failure == "guest never sees it":
         guest.blind = True
-        monkeypatch.setattr(gpuclaim, "SEEN_TIMEOUT", 0.2)
+        monkeypatch.setattr(gpu_steps, "SEEN_TIMEOUT", 0.2)
     else:
         guest.lspci_lists = False
     with pytest.raises(error, match=message):
@@ -293,7 +296,7 @@ def test_keep_on_failure_boots_cold(manager: SandboxManager, hv: FakeHypervisor)
     assert hv.domains[f"vmsbx-{pooled}"].state == "pooled"
 
 
-STAGES = [step.name for step in claim.GPU_CLAIM_STEPS]
+STAGES = [step.name for step in GPU_CLAIM_STEPS]
 
 
 @pytest.mark.parametrize("stage", STAGES[:-1])  # after "ready" it is a sandbox
@@ -306,7 +309,7 @@ def test_a_claim_killed_after_any_step_is_taken_apart_by_reconcile(
     pooled = pooled_guest(manager)
     shape = manager.config.pool[0]
     creation = manager.pool.claiming(shape, gpu_spec(2), "hit", manager.images.get("tiny"), print)
-    steps = claim.GPU_CLAIM_STEPS[: STAGES.index(stage) + 1]
+    steps = GPU_CLAIM_STEPS[: STAGES.index(stage) + 1]
     runner.run(steps, creation, manager.locked, manager.checkpoint)
     dom = hv.domains[f"vmsbx-{pooled}"]
     assert dom.data is not None
@@ -335,7 +338,7 @@ def test_hostdevs_attach_companions_before_function_0(board: Inventory) -> None:
     record = SandboxRecord.from_dict(
         {"name": "x", "gpus": [GpuRecord.of(gpu).to_dict()], "ssh": {"port": 1}}
     )
-    xmls = [xml for _gpu, _bus, xml in gpuclaim._hostdevs(record, HotplugRecord((1,), "uefi"))]
+    xmls = [xml for _gpu, _bus, xml in gpu_steps._hostdevs(record, HotplugRecord((1,), "uefi"))]
     functions = [
         libvirt_address(
             "0000:18:00." + etree.fromstring(x.encode()).find("source/address").get("function")[2:]
@@ -429,7 +432,7 @@ def test_a_failed_claim_of_a_card_with_companions_cleans_up_without_a_note(
         manager.pool.guest_run = guest
         pooled_guest(manager)
         spec = replace(gpu_spec(1), gpu=GpuRequest(devices=("0000:18:00.0",)))
-        monkeypatch.setattr(gpuclaim, "SEEN_TIMEOUT", 0.2)
+        monkeypatch.setattr(gpu_steps, "SEEN_TIMEOUT", 0.2)
         with pytest.raises(DeadlineExceeded, match="did not see GPU") as caught:
             manager.create(spec, refill=False)
     assert getattr(caught.value, "__notes__", []) == []

@@ -27,8 +27,10 @@ from vmsandbox.guest import control
 from vmsandbox.guest.keys import KeyPair, generate
 from vmsandbox.guest.programs import control as guest_control
 from vmsandbox.guest.ssh import HostKeyMismatch
-from vmsandbox.sandbox import claim, pool, runner
+from vmsandbox.sandbox import runner
 from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.pool.shapes import shape_spec
+from vmsandbox.sandbox.pool.steps import FILL_STEPS
 from vmsandbox.sandbox.record import names_domain
 from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.vm.domain import CONTROL_PORT
@@ -56,12 +58,12 @@ def manager(config: Config, hv: FakeHypervisor) -> Iterator[SandboxManager]:
 def pooled_guest(manager: SandboxManager) -> str:
     """A pooled guest made by the fill steps, without waiting for SSH (there is no guest)."""
     shape = manager.config.pool[0]
-    spec = pool.shape_spec(shape)
+    spec = shape_spec(shape)
     assert spec.name is not None
     creation = manager.pool.creation(spec, spec.name, manager.images.get("tiny"), print)
     creation.wait = False
     creation.pool_key = shape.key
-    runner.run(claim.FILL_STEPS, creation, manager.locked, manager.checkpoint)
+    runner.run(FILL_STEPS, creation, manager.locked, manager.checkpoint)
     return spec.name
 
 

@@ -118,7 +118,8 @@ class Config:
     # (FM in a service VM): the guest's NVIDIA driver must be that release.
     fabric_manager: str = "nv-fabricmanager"
     fm_version: str = ""
-    # The warm pool's shapes, from the ``[pool]`` table (sandbox/pool.py: how entries name them).
+    # The warm pool's shapes, from the ``[pool]`` table (sandbox/pool/shapes.py: how entries
+    # name them).
     pool: tuple[PoolShape, ...] = ()
 
     @property
@@ -244,8 +245,8 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
 @dataclass(frozen=True)
 class PoolShape:
     """One ``[pool]`` entry: ``count`` guests of this image and size kept ready, booted with
-    ``gpus`` spare GPU ports (vmsandbox/sandbox/pool.py says how entries name them and how a create
-    claims a guest of a shape)."""
+    ``gpus`` spare GPU ports (vmsandbox/sandbox/pool/shapes.py says how entries name them and how
+    a create claims a guest of a shape)."""
 
     key: str
     image: str

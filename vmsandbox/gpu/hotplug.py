@@ -1,8 +1,8 @@
 """GPU-ready pooled guests: spare PCIe root ports booted empty, and GPUs attached to them live.
 
-A ``[pool]`` shape with ``gpus = N`` (sandbox/pool.py) boots its guests with N spare
+A ``[pool]`` shape with ``gpus = N`` (sandbox/pool/shapes.py) boots its guests with N spare
 ``pcie-root-port`` controllers, so that a ``create --gpu`` can claim a booted guest and attach
-the GPUs to it (sandbox/warmpool.py's GPU claim) instead of booting one. ``plan`` sizes them from
+the GPUs to it (sandbox/pool/gpu_steps.py) instead of booting one. ``plan`` sizes them from
 the host's GPUs; ``apply`` writes them into a domain; ``hostdev_xml`` is what is attached to one.
 
 The hotplug mode is QEMU's ACPI PCI hotplug, q35's default since QEMU 6.1: the guest kernel

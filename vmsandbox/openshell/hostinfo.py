@@ -30,7 +30,7 @@ from vmsandbox.errors import VmSandboxError
 from vmsandbox.openshell.proto import host_info_pb2 as pb
 from vmsandbox.openshell.proto import host_info_pb2_grpc as pb_grpc
 from vmsandbox.sandbox.manager import SandboxManager
-from vmsandbox.sandbox.pool import is_pool_guest
+from vmsandbox.sandbox.pool.shapes import is_pool_guest
 
 log = logging.getLogger(__name__)
 SCHEMA = 1  # the ``schema`` key of the document; raised when a key changes meaning

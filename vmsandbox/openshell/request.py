@@ -75,7 +75,7 @@ from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.supervisor import SUPERVISOR_UNIT, Supervisor
 from vmsandbox.sandbox import credential
 from vmsandbox.sandbox.handle import Sandbox
-from vmsandbox.sandbox.pool import fits
+from vmsandbox.sandbox.pool.shapes import fits
 from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.validate import validate_name
 

@@ -14,7 +14,7 @@ UUID. An undo never reaches a domain or files another call made under the same n
 fabric undo runs after QEMU is stopped (newest first), so a partition is deactivated only once
 no guest runs on its GPUs.
 
-The warm pool's paths (``FILL_STEPS``, ``CLAIM_STEPS``) are warmpool.py's, built from these
+The warm pool's paths (``FILL_STEPS``, ``CLAIM_STEPS``) are pool/steps.py's, built from these
 steps and undos.
 """
 
@@ -184,7 +184,7 @@ def _reserve(c: Creation) -> None:
     now = reserve.taken(c.view, holds)
     reserve.check_name(c.name, now, c.hypervisor)
     if not c.room(now):
-        from vmsandbox.sandbox.pool import PoolFull
+        from vmsandbox.sandbox.pool.shapes import PoolFull
 
         raise PoolFull(c.spec.image)
     c.files.remove()  # files with no domain and no reservation: a killed create's leftovers

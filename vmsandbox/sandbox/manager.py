@@ -27,7 +27,8 @@ from vmsandbox.sandbox import plan as planner
 from vmsandbox.sandbox.boot import check_timeout
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.holds import Holds
-from vmsandbox.sandbox.pool import check_not_pooled_name, is_pool_guest
+from vmsandbox.sandbox.pool.keeper import WarmPool
+from vmsandbox.sandbox.pool.shapes import check_not_pooled_name, is_pool_guest
 from vmsandbox.sandbox.reconcile import reconcile as reconcile_sandboxes
 from vmsandbox.sandbox.record import (
     DOMAIN_PREFIX,
@@ -38,7 +39,6 @@ from vmsandbox.sandbox.record import (
 )
 from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 from vmsandbox.sandbox.store import SandboxStore
-from vmsandbox.sandbox.warmpool import WarmPool
 from vmsandbox.vm import virt
 from vmsandbox.vm.hypervisor import Hypervisor, LibvirtHypervisor
 

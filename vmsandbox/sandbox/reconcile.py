@@ -36,7 +36,7 @@ from vmsandbox.errors import InvalidArgument, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.sandbox.holds import Hold, Holds, own
 from vmsandbox.sandbox.lifecycle import Remains
-from vmsandbox.sandbox.pool import holds as of_shape
+from vmsandbox.sandbox.pool.shapes import holds as of_shape
 from vmsandbox.sandbox.record import (
     DOMAIN_PREFIX,
     STATE_CREATING,

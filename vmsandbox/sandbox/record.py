@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from vmsandbox.config import Config
 
 # 3: ``failure`` and ``starter`` (stop/start and readiness of the OpenShell driver).
-# 4: ``guest``, the pooled guest a sandbox was claimed from (state ``pooled``, pool.py).
+# 4: ``guest``, the pooled guest a sandbox was claimed from (state ``pooled``, pool/shapes.py).
 # 5: ``credential``, the salted digest of a secret the guest holds (credential.py).
 # 6: ``hotplug``, the spare root ports of a GPU-ready pooled guest (gpu/hotplug.py).
 # 7: ``generation``, the runtime generation the OpenShell gateway last started it with.
@@ -37,7 +37,7 @@ STATE_CREATING = "creating"  # being made; reconcile removes it once its creator
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
 STATE_STARTED = "started"  # started without waiting for SSH (create(wait=False))
 STATE_READY = "ready"  # SSH accepted its key (and the GPUs were verified when asked)
-STATE_POOLED = "pooled"  # a booted guest of the warm pool, not claimed yet (pool.py)
+STATE_POOLED = "pooled"  # a booted guest of the warm pool, not claimed yet (pool/shapes.py)
 STATE_STARTING = "starting"  # started by power.start; ready once wait() saw SSH (and the GPUs)
 STATE_FAILED = "failed"  # started, but the guest did not come up; ``failure`` says why
 

@@ -3,7 +3,7 @@ and each one as a caller sees it (the state shown follows whether its domain run
 
 libvirt is the only database: every sandbox is a persistent domain whose metadata holds its
 record (record.py) and lifecycle state: ``vmsbx-<name>`` when it was created cold,
-``vmsbx-pool-<id>`` when it was claimed from the warm pool (pool.py; the record's ``guest``
+``vmsbx-pool-<id>`` when it was claimed from the warm pool (pool/shapes.py; the record's ``guest``
 names that guest). Every reader finds a sandbox by the name in its record, never by its
 domain's: the claimed guest's old name is not the sandbox's. The name is a label a user picks;
 what a sandbox is, once found, is its domain's UUID (``Found.uuid``, ``Sandbox.uuid``), which

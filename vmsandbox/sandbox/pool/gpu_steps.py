@@ -1,8 +1,8 @@
 """The GPU steps of claiming a GPU-ready pooled guest: its GPUs attached live, seen, verified.
 
-claim.py runs them in ``GPU_CLAIM_STEPS``: under the host lock the GPUs are chosen by the
+steps.py runs them in ``GPU_CLAIM_STEPS``: under the host lock the GPUs are chosen by the
 allocator a cold create uses, the pooled guest is taken, and its hold and record name the
-GPUs (claim.py's ``claim``: the hold reserves them from then on). Outside the lock (live
+GPUs (steps.py's ``claim``: the hold reserves them from then on). Outside the lock (live
 attach pins all guest memory: seconds on a large guest) each GPU is attached with its
 companions to a spare root port (``attach``), the guest is waited for until it sees every GPU
 (``seen``), and the in-guest verification runs (``verified``). Any failure stops the guest,

@@ -1,6 +1,6 @@
 """The warm pool at work: filling it, claiming a guest from it, showing and draining it.
 
-pool.py says what a shape is; claim.py has the steps that boot pooled guests and hand them
+shapes.py says what a shape is; steps.py has the steps that boot pooled guests and hand them
 out. This module runs them for one manager:
 
 - ``claim`` claims a ready guest of a create's shape (None: none was ready, boot cold);
@@ -29,9 +29,16 @@ from vmsandbox.errors import NotFound
 from vmsandbox.gpu import hotplug
 from vmsandbox.guest import ssh
 from vmsandbox.sandbox import lifecycle, reserve, runner
-from vmsandbox.sandbox.claim import CLAIM_STEPS, FILL_STEPS, GPU_CLAIM_STEPS
 from vmsandbox.sandbox.holds import Holds
-from vmsandbox.sandbox.pool import NoPooledGuest, PoolFull, fits, holds, is_pool_guest, shape_spec
+from vmsandbox.sandbox.pool.shapes import (
+    NoPooledGuest,
+    PoolFull,
+    fits,
+    holds,
+    is_pool_guest,
+    shape_spec,
+)
+from vmsandbox.sandbox.pool.steps import CLAIM_STEPS, FILL_STEPS, GPU_CLAIM_STEPS
 from vmsandbox.sandbox.record import STATE_CREATING, STATE_POOLED, SandboxFiles, SandboxRecord
 from vmsandbox.sandbox.timing import StepTimes
 from vmsandbox.vm import virt

@@ -1,4 +1,4 @@
-"""The warm pool: booted guests kept ready so that a create only has to claim one.
+"""The warm pool's shapes: what each keeps ready, and which creates claim its guests.
 
 The operator names shapes in the ``[pool]`` table of config.toml. A shape is an image plus
 cpus, memory and disk; an entry names it two ways:
@@ -24,7 +24,7 @@ finds the sandbox by the name in its record. A claimed guest never returns to th
 A shape with ``gpus`` (the largest GPU request it serves) boots its guests with that many
 spare root ports when the host has bindable GPUs. A create asking for at most that many GPUs,
 and for nothing else the shape differs in, then claims one: the GPUs are chosen as for a cold
-create and attached to the running guest (warmpool.py). A request for more GPUs, for every
+create and attached to the running guest (gpu_steps.py). A request for more GPUs, for every
 GPU (``all``), or one made on a host whose pooled guests have no spare ports, boots cold.
 """
 

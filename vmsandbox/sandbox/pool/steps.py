@@ -11,7 +11,7 @@ the hold and the record rewritten for the sandbox; then, outside the lock, its h
 set through the guest's control channel or else over SSH. A GPU sandbox claims a GPU-ready
 guest (spare root ports, gpu/hotplug.py) through ``GPU_CLAIM_STEPS``: its GPUs are chosen in
 the same locked step as the guest, and attached live, seen and verified outside the lock
-(gpuclaim.py). The claimed guest is addressed by its domain's UUID from then on; its undos
+(gpu_steps.py). The claimed guest is addressed by its domain's UUID from then on; its undos
 stop it (outside the lock), then remove it (under the lock, only while the claim owns it):
 a half-claimed guest never returns to the pool. A claim that finds no guest has made nothing
 and undoes nothing: the create boots cold.
@@ -29,9 +29,10 @@ from vmsandbox.errors import FailedPrecondition
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.guest import control, ssh
 from vmsandbox.guest.ssh import Endpoint
-from vmsandbox.sandbox import gpuclaim, lifecycle, reserve
+from vmsandbox.sandbox import lifecycle, reserve
 from vmsandbox.sandbox.holds import Hold, settled
-from vmsandbox.sandbox.pool import NoPooledGuest, holds
+from vmsandbox.sandbox.pool import gpu_steps
+from vmsandbox.sandbox.pool.shapes import NoPooledGuest, holds
 from vmsandbox.sandbox.record import STATE_CREATING, STATE_POOLED, SandboxFiles, SandboxRecord
 
 if TYPE_CHECKING:
@@ -238,9 +239,9 @@ GPU_CLAIM_STEPS: tuple[lifecycle.Step, ...] = (
     _CLAIM,
     _create_step("fabric"),
     _TAKEN,
-    lifecycle.Step("attach", gpuclaim.attach),
+    lifecycle.Step("attach", gpu_steps.attach),
     lifecycle.Step("hostname", _hostname),
-    lifecycle.Step("seen", gpuclaim.seen),
-    lifecycle.Step("verify", gpuclaim.verified),
+    lifecycle.Step("seen", gpu_steps.seen),
+    lifecycle.Step("verify", gpu_steps.verified),
     _create_step("ready"),
 )
