@@ -1,7 +1,7 @@
 """Test-only entry point: the vmsandbox CLI with a crash checkpoint installed.
 
 ``python tests/crash_cli.py STAGE ARGS...`` runs ``vmsandbox ARGS...``; when a create reaches
-checkpoint STAGE (sandbox/lifecycle.py: ``locked`` or a step's name, also of a pool fill or
+checkpoint STAGE (sandbox/create.py: ``locked`` or a step's name, also of a pool fill or
 claim: sandbox/pool/steps.py's ``FILL_STEPS``, ``CLAIM_STEPS`` and ``GPU_CLAIM_STEPS``, e.g.
 ``attach``) it prints ``vmsandbox-checkpoint STAGE`` on stderr and waits there to be killed.
 The product has no such hook of its own: the tests put it in through

@@ -45,7 +45,7 @@ STATE_DIR = Path(os.environ.get("VMSANDBOX_NESTED_DIR", "/var/tmp/vmsandbox-nest
 LOG_DIR = Path(os.environ.get("VMSANDBOX_NESTED_LOG_DIR", "/var/tmp/vmsandbox-nested-logs"))
 RV100 = ("0x1002", "0x5159")
 RAGE128P = ("0x1002", "0x5046")
-# Checkpoints after the lock is taken and after create steps (lifecycle.py); the kill at "start"
+# Checkpoints after the lock is taken and after create steps (create.py); the kill at "start"
 # hits a create that would wait for SSH next, its QEMU holding both cards; at "wait" the guest
 # has booted with both cards and the create would verify them next.
 STAGES = ("locked", "overlay", "define", "start", "wait")

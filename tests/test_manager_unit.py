@@ -29,7 +29,7 @@ from vmsandbox.errors import (
 from vmsandbox.guest.setup import GuestFile, GuestSetup
 from vmsandbox.guest.ssh import Endpoint
 from vmsandbox.guest.verify import VerificationReport
-from vmsandbox.sandbox import lifecycle, power
+from vmsandbox.sandbox import create, power
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.record import SCHEMA_VERSION, SandboxFiles, SandboxRecord
 from vmsandbox.sandbox.spec import SandboxSpec
@@ -333,7 +333,7 @@ def test_a_sandbox_kept_although_its_guest_verification_failed_is_reported(
     creation = manager._creation(spec(), made.name, manager.images.get("tiny"), lambda _l: None)
     creation.record = replace(SandboxRecord.from_dict(stored), verification=failed)
     with pytest.raises(GuestVerificationFailed, match=r"0000:41:00\.0 missing") as caught:
-        lifecycle.check_verification(creation)
+        create.check_verification(creation)
     assert caught.value.details["kept"] is True
     assert left(config, hv)
 

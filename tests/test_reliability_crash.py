@@ -41,7 +41,7 @@ from vmsandbox.vm import domain as domain_xml
 
 pytestmark = pytest.mark.libvirt
 
-# Checkpoints after the lock is taken and after create steps (sandbox/lifecycle.py); "waiting" is
+# Checkpoints after the lock is taken and after create steps (sandbox/create.py); "waiting" is
 # the "start" checkpoint of a create that would wait for SSH next.
 STAGES = ("locked", "overlay", "define", "start", "waiting")
 KILLS_PER_STAGE = 4  # 20 kills in one run

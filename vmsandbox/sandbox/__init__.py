@@ -1,7 +1,7 @@
 """A sandbox's life: what a caller asks for (``spec``), the plan of its domain (``plan``), its
 record and files (``record``) kept in libvirt (``store``), what each sandbox holds of the host
 (``holds``: reservations written under the host lock) and how a call reserves it (``reserve``),
-the create steps and their undos (``lifecycle``), how steps run (``runner``) and where their
+the create steps and their undos (``create``), how steps run (``runner``) and where their
 time went (``timing``), the boot wait (``boot``), stop and start (``power``), destroy
 (``teardown``), repair (``reconcile``), the warm pool (the ``pool`` package: its shapes, its
 fill and claim steps, the GPU claim's steps and the pool at work; its ``__init__`` is the map),

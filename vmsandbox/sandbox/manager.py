@@ -22,9 +22,10 @@ from vmsandbox.host.numa import host_cpus_by_node
 from vmsandbox.image.store import BaseImage, ImageStore
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
-from vmsandbox.sandbox import lifecycle, power, reserve, runner, teardown
+from vmsandbox.sandbox import create, power, reserve, runner, teardown
 from vmsandbox.sandbox import plan as planner
 from vmsandbox.sandbox.boot import check_timeout
+from vmsandbox.sandbox.create import Creation
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.pool.keeper import WarmPool
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 class SandboxManager:
     """Create, find, use, stop, start and destroy sandboxes on one host.
 
-    ``checkpoint(stage)`` is called after each create step (see lifecycle.py); the crash tests
+    ``checkpoint(stage)`` is called after each create step (see create.py); the crash tests
     install one that stops there to be killed. ``hypervisor`` defaults to libvirt at
     ``config.uri``; unit tests hand in a fake.
     """
@@ -126,7 +127,7 @@ class SandboxManager:
         A started spec of a ``[pool]`` shape claims a ready pooled guest (GPUs attached live),
         then (``refill``) starts a background ``vmsandbox pool fill``; else it boots cold.
 
-        Any failure undoes every step this call made (lifecycle.py) before the error
+        Any failure undoes every step this call made (create.py) before the error
         propagates, which also frees the GPUs it had chosen.
         """
         say = progress or self.progress
@@ -144,20 +145,20 @@ class SandboxManager:
         creation = self._creation(spec, name, image, say, timeout=timeout)
         creation.start, creation.wait, creation.verify = start, wait, verify
         creation.keep = keep_on_failure
-        skip = lifecycle.STARTING if not start else frozenset()
-        steps = tuple(step for step in lifecycle.CREATE_STEPS if step.name not in skip)
+        skip = create.STARTING if not start else frozenset()
+        steps = tuple(step for step in create.CREATE_STEPS if step.name not in skip)
         runner.run(steps, creation, self.locked, self.checkpoint)
         assert creation.record is not None  # made by the define step
         sandbox = self.store.view(creation.record, creation.state, creation.uuid)
         sandbox.boot_seconds = creation.boot_seconds
-        lifecycle.check_verification(creation)  # a sandbox kept although its check failed
+        create.check_verification(creation)  # a sandbox kept although its check failed
         say(f"sandbox {name} is {creation.state}")
         return sandbox
 
     def _creation(
         self, spec: SandboxSpec, name: str, image: BaseImage, say: Progress, **more: Any
-    ) -> lifecycle.Creation:
-        return lifecycle.Creation(
+    ) -> Creation:
+        return Creation(
             hypervisor=self.hypervisor,
             name=name,
             config=self.config,
@@ -175,7 +176,7 @@ class SandboxManager:
         """Re-run the in-guest GPU verification of a running sandbox; the report is stored."""
         record, state = self.store.get(name)
         files = SandboxFiles.of(self.config, record.stem)
-        report = lifecycle.verify_guest(record, self._endpoint(record), files)
+        report = create.verify_guest(record, self._endpoint(record), files)
         self.store.put(replace(record, verification=report), state)
         return report
 

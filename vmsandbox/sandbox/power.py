@@ -22,7 +22,7 @@ from vmsandbox.errors import FailedPrecondition, Internal, VmSandboxError
 from vmsandbox.guest import control
 from vmsandbox.image.store import ImageStore
 from vmsandbox.progress import Progress
-from vmsandbox.sandbox import boot, lifecycle, reserve
+from vmsandbox.sandbox import boot, create, reserve
 from vmsandbox.sandbox.holds import Holds, owners_folder
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
@@ -160,7 +160,7 @@ def wait(
             record = replace(record, ssh=replace(record.ssh, host=endpoint.host, port=22))
         keys = files.keys(record.host_key_alias)
         waited = boot.wait_for_ssh(watch, endpoint, keys, timeout=limit, progress=progress)
-        report = lifecycle.verify_guest(record, endpoint, files) if verify else None
+        report = create.verify_guest(record, endpoint, files) if verify else None
     except Exception as exc:  # any failure ends the wait with a state, never "starting"
         error = exc if isinstance(exc, VmSandboxError) else _internal(record, exc)
         failed = replace(record, failure={"code": error.code, "message": error.message})

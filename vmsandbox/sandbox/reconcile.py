@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, replace
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
+from vmsandbox.sandbox.create import Remains
 from vmsandbox.sandbox.holds import Hold, Holds, own
-from vmsandbox.sandbox.lifecycle import Remains
 from vmsandbox.sandbox.pool.shapes import holds as of_shape
 from vmsandbox.sandbox.record import (
     DOMAIN_PREFIX,

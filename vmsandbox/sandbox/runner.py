@@ -1,4 +1,4 @@
-"""Running a transition's steps (lifecycle.py's ``Step``), and their undos when one fails.
+"""Running a transition's steps (create.py's ``Step``), and their undos when one fails.
 
 Each step does its work under the host lock (``locked``) or outside it; consecutive locked
 steps share one hold of the lock. When a step fails, the undos of the steps that ran (the
@@ -21,7 +21,7 @@ from vmsandbox.sandbox.holds import own
 
 if TYPE_CHECKING:
     from vmsandbox.progress import Progress
-    from vmsandbox.sandbox.lifecycle import Creation, Remains, Step
+    from vmsandbox.sandbox.create import Creation, Remains, Step
 
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
 

@@ -24,8 +24,8 @@ from dataclasses import replace
 
 from vmsandbox.errors import FailedPrecondition, NotFound, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
+from vmsandbox.sandbox.create import Remains
 from vmsandbox.sandbox.holds import Hold, Holds, own
-from vmsandbox.sandbox.lifecycle import Remains
 from vmsandbox.sandbox.record import SandboxFiles, SandboxRecord
 from vmsandbox.sandbox.store import Found, SandboxStore
 from vmsandbox.validate import validate_name

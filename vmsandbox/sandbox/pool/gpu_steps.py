@@ -21,7 +21,7 @@ from vmsandbox.errors import DeadlineExceeded, FailedPrecondition
 from vmsandbox.gpu import hotplug
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.host.bdf import libvirt_address
-from vmsandbox.sandbox import lifecycle
+from vmsandbox.sandbox import create
 from vmsandbox.sandbox.record import HotplugRecord, SandboxRecord
 
 # How long a guest may take to see attached GPUs: seen after 3-5 s on the nested host (L2
@@ -35,7 +35,7 @@ _SEEN_SCRIPT = (
 )
 
 
-def attach(c: lifecycle.Creation) -> None:
+def attach(c: create.Creation) -> None:
     """Attach each GPU with its companions to the next spare root port of the claimed guest."""
     record = c.record
     assert record is not None and record.hotplug is not None  # the claim took a GPU-ready one
@@ -64,7 +64,7 @@ def _hostdevs(record: SandboxRecord, ports: HotplugRecord) -> Iterator[tuple[Gpu
             yield gpu, bus, xml
 
 
-def seen(c: lifecycle.Creation) -> None:
+def seen(c: create.Creation) -> None:
     """Wait until the guest sees each GPU (its vendor and device id) below its spare port;
     DEADLINE_EXCEEDED naming the GPUs it does not see after ``SEEN_TIMEOUT``."""
     record = c.record
@@ -96,7 +96,7 @@ def seen(c: lifecycle.Creation) -> None:
         time.sleep(SEEN_POLL)
 
 
-def verified(c: lifecycle.Creation) -> None:
+def verified(c: create.Creation) -> None:
     """The in-guest verification of the attached GPUs; GuestVerificationFailed when it fails
     (the claim's undos then take the guest apart)."""
     from vmsandbox.guest.verify import VerificationReport, raise_if_failed
@@ -105,6 +105,6 @@ def verified(c: lifecycle.Creation) -> None:
     if not c.verify:
         return
     c.progress("verifying the guest's devices")
-    report = lifecycle.verify_guest(c.record, c.endpoint, c.files, c.guest_run)
+    report = create.verify_guest(c.record, c.endpoint, c.files, c.guest_run)
     c.record = replace(c.record, verification=report)
     raise_if_failed(VerificationReport.from_dict(report), subject=f"sandbox {c.name!r}")

@@ -28,7 +28,7 @@ from vmsandbox.config import PoolShape
 from vmsandbox.errors import NotFound
 from vmsandbox.gpu import hotplug
 from vmsandbox.guest import ssh
-from vmsandbox.sandbox import lifecycle, reserve, runner
+from vmsandbox.sandbox import create, reserve, runner
 from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.pool.shapes import (
     NoPooledGuest,
@@ -88,10 +88,10 @@ class WarmPool:
 
     def creation(
         self, spec: SandboxSpec, name: str, image: BaseImage, say: Progress
-    ) -> lifecycle.Creation:
+    ) -> create.Creation:
         """A pool path's creation (fill or claim), waited for."""
         m = self.manager
-        return lifecycle.Creation(
+        return create.Creation(
             hypervisor=m.hypervisor,
             name=name,
             files=SandboxFiles.of(self.config, name),
@@ -143,7 +143,7 @@ class WarmPool:
 
     def claiming(
         self, shape: PoolShape, spec: SandboxSpec, name: str, image: BaseImage, say: Progress
-    ) -> lifecycle.Creation:
+    ) -> create.Creation:
         """The creation of a claim of a ready guest of ``shape`` as sandbox ``name``."""
         creation = self.creation(spec, name, image, say)
         creation.pool_key = shape.key

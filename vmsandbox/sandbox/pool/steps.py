@@ -1,4 +1,4 @@
-"""The warm pool's two paths, as steps (lifecycle.py): filling it, and claiming a guest from it.
+"""The warm pool's two paths, as steps (create.py): filling it, and claiming a guest from it.
 
 ``FILL_STEPS`` make a pooled guest: the create steps, with the shape's room checked in the
 reservation (under the host lock: reservations of the shape count, guests still booting
@@ -29,7 +29,7 @@ from vmsandbox.errors import FailedPrecondition
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.guest import control, ssh
 from vmsandbox.guest.ssh import Endpoint
-from vmsandbox.sandbox import lifecycle, reserve
+from vmsandbox.sandbox import create, reserve
 from vmsandbox.sandbox.holds import Hold, settled
 from vmsandbox.sandbox.pool import gpu_steps
 from vmsandbox.sandbox.pool.shapes import NoPooledGuest, holds
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from vmsandbox.vm.hypervisor import Stored
 
 
-def _settle(c: lifecycle.Creation) -> None:
+def _settle(c: create.Creation) -> None:
     """Fill: wait until the guest's boot has finished (late units such as cloud-init's last
     stages hold its vCPU): a claim then finds an idle guest that answers at once."""
     if not c.wait:
@@ -54,7 +54,7 @@ def _settle(c: lifecycle.Creation) -> None:
     ssh.run(c.endpoint, keys, f"{command} >/dev/null 2>&1; true", timeout=c.timeout or 300)
 
 
-def _pooled(c: lifecycle.Creation) -> None:
+def _pooled(c: create.Creation) -> None:
     """Fill, under the lock: the guest answered SSH; it is ready to be claimed."""
     assert c.record is not None  # made by the define step
     hold = c.own()
@@ -63,7 +63,7 @@ def _pooled(c: lifecycle.Creation) -> None:
     c.holds.put(settled(hold))
 
 
-def _claim(c: lifecycle.Creation) -> None:
+def _claim(c: create.Creation) -> None:
     """Under the lock: the name checked, the GPUs chosen (a GPU sandbox), and a ready pooled
     guest of the shape taken: its hold and record name the sandbox, its labels, credential,
     GPUs (before any is attached: a killed claim leaves a record that says what to give back)
@@ -106,10 +106,10 @@ def _claim(c: lifecycle.Creation) -> None:
         fabric_partition=partition.id if partition else None,
     )
     c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING)
-    lifecycle.show_gpus(c)
+    create.show_gpus(c)
 
 
-def _pick(c: lifecycle.Creation, now: reserve.Taken) -> tuple[SandboxRecord, Stored, Hold] | None:
+def _pick(c: create.Creation, now: reserve.Taken) -> tuple[SandboxRecord, Stored, Hold] | None:
     """A ready guest of the claim's shape, image build and virt type, with a spare port per
     GPU chosen, whose hold says it is still unclaimed."""
     assert c.view is not None
@@ -131,7 +131,7 @@ def _pick(c: lifecycle.Creation, now: reserve.Taken) -> tuple[SandboxRecord, Sto
     return None
 
 
-def _hostname(c: lifecycle.Creation) -> None:
+def _hostname(c: create.Creation) -> None:
     """Give the claimed guest the sandbox's name as its hostname: through its control channel
     where it has one, which checks that sshd still runs (its pinned host key was proven when
     the guest entered the pool); a guest of an older build that does not check it gets the
@@ -173,7 +173,7 @@ class _Proof(threading.Thread):
             self.error = exc
 
 
-def _hostname_over_ssh(c: lifecycle.Creation, keys: SandboxKeys) -> None:
+def _hostname_over_ssh(c: create.Creation, keys: SandboxKeys) -> None:
     """The hostname through an SSH login and sudo, for guests without the control channel."""
     assert c.endpoint is not None and c.record is not None
     # One sudo running one shell, with builtins only (each program started costs tens of ms
@@ -195,7 +195,7 @@ def _hostname_over_ssh(c: lifecycle.Creation, keys: SandboxKeys) -> None:
         )
 
 
-def _stop_guest(r: lifecycle.Remains) -> None:
+def _stop_guest(r: create.Remains) -> None:
     """Undo, outside the lock: stop the claimed guest (libvirt gives its attached GPUs back to
     their host drivers as QEMU ends; libvirt 9.0 cannot hot-unplug one function of a card
     with companions, so GPUs are never detached one by one)."""
@@ -203,7 +203,7 @@ def _stop_guest(r: lifecycle.Remains) -> None:
         r.hypervisor.stop(r.domain, uuid=r.uuid)
 
 
-def _give_up(r: lifecycle.Remains) -> None:
+def _give_up(r: create.Remains) -> None:
     """Undo, under the lock: remove the guest the claim took, while the claim owns it."""
     if r.mine() is None:
         return  # took none (no pooled guest), or a destroy has taken it over
@@ -213,35 +213,35 @@ def _give_up(r: lifecycle.Remains) -> None:
     r.holds.drop(r.uuid)
 
 
-def _create_step(name: str) -> lifecycle.Step:
-    return next(step for step in lifecycle.CREATE_STEPS if step.name == name)
+def _create_step(name: str) -> create.Step:
+    return next(step for step in create.CREATE_STEPS if step.name == name)
 
 
 # A pooled guest: the create steps (no GPU, nothing to verify), ending in "pooled".
-FILL_STEPS: tuple[lifecycle.Step, ...] = (
-    *(step for step in lifecycle.CREATE_STEPS if step.name not in ("fabric", "verify", "ready")),
-    lifecycle.Step("settle", _settle),
-    lifecycle.Step("pooled", _pooled, locked=True),
+FILL_STEPS: tuple[create.Step, ...] = (
+    *(step for step in create.CREATE_STEPS if step.name not in ("fabric", "verify", "ready")),
+    create.Step("settle", _settle),
+    create.Step("pooled", _pooled, locked=True),
 )
-_CLAIM = lifecycle.Step("claim", _claim, _give_up, locked=True)
-_TAKEN = lifecycle.Step("taken", lifecycle.nothing, _stop_guest)
-CLAIM_STEPS: tuple[lifecycle.Step, ...] = (
+_CLAIM = create.Step("claim", _claim, _give_up, locked=True)
+_TAKEN = create.Step("taken", create.nothing, _stop_guest)
+CLAIM_STEPS: tuple[create.Step, ...] = (
     _create_step("look"),
     _CLAIM,
     _TAKEN,
-    lifecycle.Step("hostname", _hostname),
+    create.Step("hostname", _hostname),
     _create_step("ready"),
 )
 # A GPU-ready guest for a GPU sandbox: the partition is activated, then the guest's undo
 # placed (stopped before the partition is released), the GPUs attached, seen and verified.
-GPU_CLAIM_STEPS: tuple[lifecycle.Step, ...] = (
+GPU_CLAIM_STEPS: tuple[create.Step, ...] = (
     _create_step("look"),
     _CLAIM,
     _create_step("fabric"),
     _TAKEN,
-    lifecycle.Step("attach", gpu_steps.attach),
-    lifecycle.Step("hostname", _hostname),
-    lifecycle.Step("seen", gpu_steps.seen),
-    lifecycle.Step("verify", gpu_steps.verified),
+    create.Step("attach", gpu_steps.attach),
+    create.Step("hostname", _hostname),
+    create.Step("seen", gpu_steps.seen),
+    create.Step("verify", gpu_steps.verified),
     _create_step("ready"),
 )
