@@ -6,8 +6,8 @@ The contract is OpenShell v0.1.2's (the protos in ``proto``). Modules: ``negotia
 extension handshake of GetCapabilities), ``admission`` (the operator's resource admission
 policy), ``identity`` (runtime identity and fence evidence), ``quantity`` (Kubernetes CPU/memory
 quantities), ``request`` (a DriverSandbox into a SandboxSpec and what the guest receives),
-``launch`` (the workload's launch in a ready guest: identity, launch credentials, units),
-``launches`` (the credentials each launch waits for and its last failure), ``readiness`` (the
+``launch`` (the workload's launch in a ready guest: identity, launch credentials, units; and
+per sandbox the credentials its launch waits for and its last failure), ``readiness`` (the
 background waits for a sandbox to become ready, and reconciles), ``status`` (a sandbox into its
 DriverSandbox snapshot), ``transitions`` (when each condition last changed), ``events``
 (libvirt lifecycle events fanned out to watchers), ``service`` (the RPCs), ``supervisor`` (the

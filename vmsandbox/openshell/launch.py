@@ -1,4 +1,6 @@
-"""Launching the workload of a driver-made sandbox once its guest answers SSH.
+"""Launching the workload of a driver-made sandbox once its guest answers SSH, and what each
+sandbox's launch waits for (``Launches``: its launch credentials, and why its last launch
+failed).
 
 A driver-made guest boots with its units (the main process, OPENSHELL_MAIN_UNIT, and the
 supervisor) written but not started. When the guest is ready the driver runs one root script
@@ -22,20 +24,34 @@ in it over SSH (``launch``), on every boot, which:
 The credentials are the JSON the gateway mints: ``{"supervisor": {...}, "gateway_id": "...",
 "verification_keys": [{"key_id": "...", "public_key_pem": ...}]}``; the supervisor bundle is
 passed on exactly as sent. Nothing here logs or repeats them.
+
+Launch credentials wait in this process's memory until the guest is ready (``Launches``),
+never on disk; a ``vmsandbox serve`` restarted meanwhile has lost them and the gateway's next
+start brings fresh ones. A failed launch is kept, for the sandbox's snapshots (its Ready
+condition), until the next start or a launch that succeeds.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import re
 import shlex
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vmsandbox.errors import FailedPrecondition, InvalidArgument
+from vmsandbox.errors import FailedPrecondition, InvalidArgument, VmSandboxError
+from vmsandbox.guest import ssh
 from vmsandbox.guest.ssh import ExecResult
+from vmsandbox.sandbox.record import DOMAIN_PREFIX
+
+if TYPE_CHECKING:
+    from vmsandbox.sandbox.manager import SandboxManager
+
+log = logging.getLogger(__name__)
 
 RUN_DIR = "/run/openshell"
 AUTH_BUNDLE_PATH = f"{RUN_DIR}/auth-bundle.json"
@@ -52,6 +68,7 @@ RESTART_LABEL = "openshell.restart-on-credentials"
 WORKLOAD_LABELS = (USER_LABEL, GROUP_LABEL, SOURCE_LABEL, UNITS_LABEL, RESTART_LABEL)
 _SELECTOR = re.compile(r"(?:[0-9]{1,10}|[A-Za-z_][A-Za-z0-9_.-]{0,31})\Z")
 _EXIT_NO_USER, _EXIT_NO_GROUP, _EXIT_ROOT = 3, 4, 5
+_LAUNCH_TIMEOUT = 120.0  # seconds for the launch script in the guest
 
 
 def check_selector(value: str, field_name: str) -> str:
@@ -257,3 +274,77 @@ def read_identity(fields: Mapping[str, str]) -> Resolved | None:
 def key_values(text: str) -> dict[str, str]:
     """The ``Key=value`` lines of ``text`` (systemctl show's form, and IDENTITY_PATH's)."""
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+class Launches:
+    """Per domain: the credentials not yet in the guest and the last launch failure.
+
+    ``manager`` makes a SandboxManager; ``changed(name)`` tells the watchers that a sandbox's
+    snapshot changed (``events.EventSource.changed``).
+    """
+
+    def __init__(
+        self, manager: Callable[[], SandboxManager], changed: Callable[[str], None]
+    ) -> None:
+        self._manager = manager
+        self._changed = changed
+        self._lock = threading.Lock()
+        self._pending: dict[str, LaunchCredentials] = {}
+        self._failures: dict[str, str] = {}
+
+    def hold(self, domain: str, credentials: LaunchCredentials | None) -> None:
+        """Keep ``credentials`` (when given) for the next launch of ``domain``."""
+        with self._lock:
+            if credentials is not None:
+                self._pending[domain] = credentials
+
+    def restart(self, domain: str, credentials: LaunchCredentials | None) -> None:
+        """A new start of ``domain``: its credentials held (when given), its last failure gone."""
+        with self._lock:
+            if credentials is not None:
+                self._pending[domain] = credentials
+            self._failures.pop(domain, None)
+
+    def drop(self, domain: str) -> None:
+        """Forget the credentials held for ``domain`` (its start failed)."""
+        with self._lock:
+            self._pending.pop(domain, None)
+
+    def forget(self, domain: str) -> None:
+        """Forget everything about ``domain`` (it was deleted)."""
+        with self._lock:
+            self._pending.pop(domain, None)
+            self._failures.pop(domain, None)
+
+    def failure(self, domain: str) -> str | None:
+        """Why the last launch of ``domain`` failed ("CODE: message"); None when it did not."""
+        with self._lock:
+            return self._failures.get(domain)
+
+    def launch(self, name: str, uuid: str | None = None) -> None:
+        """Launch the workload of a ready sandbox of ours (``launch``; with ``uuid``, only the
+        sandbox of that identity) with the credentials waiting for it; a failure is kept for
+        its snapshots, and raised."""
+        with self._manager() as manager:
+            sandbox = manager.get(name, uuid=uuid)
+            workload = Workload.of(sandbox.labels)
+            if workload is None or sandbox.ssh is None:
+                return
+            endpoint, keys = sandbox.ssh, manager.keys_of(sandbox)
+        with self._lock:
+            credentials = self._pending.pop(sandbox.domain, None)
+
+        def run(command: str, stdin: bytes | None) -> ExecResult:
+            return ssh.run(endpoint, keys, command, stdin=stdin, timeout=_LAUNCH_TIMEOUT)
+
+        try:
+            resolved = launch(run, workload, credentials)
+        except VmSandboxError as exc:
+            with self._lock:
+                self._failures[sandbox.domain] = f"{exc.code}: {exc.message}"
+            self._changed(sandbox.domain.removeprefix(DOMAIN_PREFIX))
+            raise
+        with self._lock:
+            self._failures.pop(sandbox.domain, None)
+        log.info("sandbox %s launched as uid %d gid %d", name, resolved.uid, resolved.gid)
+        self._changed(sandbox.domain.removeprefix(DOMAIN_PREFIX))

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from vmsandbox.errors import VmSandboxError
-from vmsandbox.openshell.launches import Launches
+from vmsandbox.openshell.launch import Launches
 from vmsandbox.openshell.tunnel import GatewayTunnels
 from vmsandbox.sandbox.manager import SandboxManager
 

@@ -23,9 +23,9 @@ SandboxManager.
   identity; its launch credentials go to the guest at the launch that follows the boot.
   Delete is idempotent (``deleted`` false when nothing was there).
 - Launch credentials wait in this process's memory until the guest is ready, never on disk
-  (``launches``); a ``vmsandbox serve`` restarted meanwhile has lost them and the gateway's
-  next start brings fresh ones. A launch that fails is reported as the sandbox's Ready
-  condition (LaunchFailed).
+  (``launch.Launches``); a ``vmsandbox serve`` restarted meanwhile has lost them and the
+  gateway's next start brings fresh ones. A launch that fails is reported as the sandbox's
+  Ready condition (LaunchFailed).
 - WatchSandboxes sends every current sandbox, then one snapshot per libvirt event of a sandbox
   (``events.DomainEvents``) and a deleted event when its domain is undefined.
 - With a supervisor configured, every ready sandbox gets an SSH tunnel to the gateway
@@ -63,8 +63,7 @@ from vmsandbox.openshell.admission import AdmissionPolicy
 from vmsandbox.openshell.capabilities import capabilities
 from vmsandbox.openshell.events import DomainEvent, EventSource
 from vmsandbox.openshell.identity import RuntimeIdentity, check_generation_id
-from vmsandbox.openshell.launch import LaunchCredentials
-from vmsandbox.openshell.launches import Launches
+from vmsandbox.openshell.launch import LaunchCredentials, Launches
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.readiness import Readiness
