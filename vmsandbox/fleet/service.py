@@ -27,7 +27,6 @@ from vmsandbox.fleet import placement
 from vmsandbox.fleet.core import Fleet, FleetSandbox
 from vmsandbox.openshell import negotiation
 from vmsandbox.openshell.admission import AdmissionPolicy
-from vmsandbox.openshell.capabilities import capabilities
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 
@@ -88,7 +87,7 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
             "GetCapabilities",
             lambda: negotiation.check_gateway(request.HasField("gateway"), request.gateway),
         )
-        return capabilities(self.admission, reports_readiness=True)
+        return negotiation.capabilities(self.admission, reports_readiness=True)
 
     def AuthenticateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def authenticate() -> dict[str, Any]:

@@ -2,18 +2,18 @@
 service on a Unix socket (``vmsandbox serve --openshell-socket PATH``), mapped onto
 SandboxManager.
 
-The contract is OpenShell v0.1.2's (the protos in ``proto``). Modules: ``negotiation`` (the
-extension handshake of GetCapabilities), ``admission`` (the operator's resource admission
-policy), ``identity`` (runtime identity and fence evidence), ``quantity`` (Kubernetes CPU/memory
-quantities), ``request`` (a DriverSandbox into a SandboxSpec and what the guest receives),
-``launch`` (the workload's launch in a ready guest: identity, launch credentials, units; and
-per sandbox the credentials its launch waits for and its last failure), ``readiness`` (the
-background waits for a sandbox to become ready, and reconciles), ``status`` (a sandbox into its
-DriverSandbox snapshot), ``transitions`` (when each condition last changed), ``events``
-(libvirt lifecycle events fanned out to watchers), ``service`` (the RPCs), ``supervisor`` (the
-optional openshell-sandbox in every guest), ``tunnel`` (its SSH way back to the gateway),
-``socket`` (the socket, its modes and the peer check), ``splice`` (the two-way copy both relay
-through), ``server`` (serving until SIGTERM).
+The contract is OpenShell v0.1.2's (the protos in ``proto``). Modules: ``negotiation``
+(GetCapabilities: the answer, the same for the fleet's driver, and the extension handshake),
+``admission`` (the operator's resource admission policy), ``identity`` (runtime identity and
+fence evidence), ``quantity`` (Kubernetes CPU/memory quantities), ``request`` (a DriverSandbox
+into a SandboxSpec and what the guest receives), ``launch`` (the workload's launch in a ready
+guest: identity, launch credentials, units; and per sandbox the credentials its launch waits
+for and its last failure), ``readiness`` (the background waits for a sandbox to become ready,
+and reconciles), ``status`` (a sandbox into its DriverSandbox snapshot), ``transitions`` (when
+each condition last changed), ``events`` (libvirt lifecycle events fanned out to watchers),
+``service`` (the RPCs), ``supervisor`` (the optional openshell-sandbox in every guest),
+``tunnel`` (its SSH way back to the gateway), ``socket`` (the socket, its modes and the peer
+check), ``splice`` (the two-way copy both relay through), ``server`` (serving until SIGTERM).
 
 Imports: ``compat``, ``sandbox`` and the packages below it, and the shared core; never ``cli``
 or ``fleet``.

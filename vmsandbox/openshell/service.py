@@ -60,7 +60,6 @@ from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandb
 from vmsandbox.guest.ssh import run as ssh_run
 from vmsandbox.openshell import negotiation
 from vmsandbox.openshell.admission import AdmissionPolicy
-from vmsandbox.openshell.capabilities import capabilities
 from vmsandbox.openshell.events import DomainEvent, EventSource
 from vmsandbox.openshell.identity import RuntimeIdentity, check_generation_id
 from vmsandbox.openshell.launch import LaunchCredentials, Launches
@@ -222,7 +221,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             "GetCapabilities",
             lambda: negotiation.check_gateway(request.HasField("gateway"), request.gateway),
         )
-        return capabilities(self.admission, reports_readiness=self.supervisor is None)
+        return negotiation.capabilities(self.admission, reports_readiness=self.supervisor is None)
 
     def AuthenticateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         """The gateway id and runtime identity of the sandbox whose token ``credential`` is.
