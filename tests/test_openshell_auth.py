@@ -18,7 +18,7 @@ from openshell_client import capabilities_request, check_capabilities, in_proces
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
-from vmsandbox.openshell.transitions import Transitions
+from vmsandbox.openshell.status import Transitions
 from vmsandbox.sandbox import credential
 from vmsandbox.sandbox.record import SandboxFiles
 from vmsandbox.sandbox.spec import SandboxSpec

@@ -9,11 +9,11 @@ fence evidence), ``quantity`` (Kubernetes CPU/memory quantities), ``request`` (a
 into a SandboxSpec and what the guest receives), ``launch`` (the workload's launch in a ready
 guest: identity, launch credentials, units; and per sandbox the credentials its launch waits
 for and its last failure), ``readiness`` (the background waits for a sandbox to become ready,
-and reconciles), ``status`` (a sandbox into its DriverSandbox snapshot), ``transitions`` (when
-each condition last changed), ``events`` (libvirt lifecycle events fanned out to watchers),
-``service`` (the RPCs), ``supervisor`` (the optional openshell-sandbox in every guest),
-``tunnel`` (its SSH way back to the gateway), ``socket`` (the socket, its modes and the peer
-check), ``splice`` (the two-way copy both relay through), ``server`` (serving until SIGTERM).
+and reconciles), ``status`` (a sandbox into its DriverSandbox snapshot, and when each condition
+last changed), ``events`` (libvirt lifecycle events fanned out to watchers), ``service`` (the
+RPCs), ``supervisor`` (the optional openshell-sandbox in every guest), ``tunnel`` (its SSH way
+back to the gateway), ``socket`` (the socket, its modes and the peer check), ``splice`` (the
+two-way copy both relay through), ``server`` (serving until SIGTERM).
 
 Imports: ``compat``, ``sandbox`` and the packages below it, and the shared core; never ``cli``
 or ``fleet``.

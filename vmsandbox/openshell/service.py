@@ -38,7 +38,7 @@ SandboxManager.
 - AuthenticateSandbox answers the gateway id and runtime identity of the sandbox whose token
   the credential is, matched against the salted digest in each record
   (``vmsandbox.sandbox.credential``).
-- Every condition carries the time it last changed (``transitions.Transitions``).
+- Every condition carries the time it last changed (``status.Transitions``).
 
 vmsandbox errors keep their code: ``err.code`` is already a gRPC status code name.
 """
@@ -73,9 +73,8 @@ from vmsandbox.openshell.request import (
     pooled_spec,
     translate,
 )
-from vmsandbox.openshell.status import GUEST_QUERY, GuestState, guest_state, snapshot
+from vmsandbox.openshell.status import GUEST_QUERY, GuestState, Transitions, guest_state, snapshot
 from vmsandbox.openshell.supervisor import Supervisor
-from vmsandbox.openshell.transitions import Transitions
 from vmsandbox.openshell.tunnel import GatewayTunnels
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.manager import SandboxManager
