@@ -13,7 +13,8 @@ and reconciles), ``status`` (a sandbox into its DriverSandbox snapshot, and when
 last changed), ``events`` (libvirt lifecycle events fanned out to watchers), ``service`` (the
 RPCs), ``supervisor`` (the optional openshell-sandbox in every guest), ``tunnel`` (its SSH way
 back to the gateway), ``socket`` (the socket, its modes and the peer check), ``splice`` (the
-two-way copy both relay through), ``server`` (serving until SIGTERM).
+two-way copy both relay through), ``hostinfo`` (the HostInfo service beside the driver, for the
+fleet agent), ``metrics`` (the host's Prometheus metrics), ``server`` (serving until SIGTERM).
 
 Imports: ``compat``, ``sandbox`` and the packages below it, and the shared core; never ``cli``
 or ``fleet``.
