@@ -186,6 +186,7 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
                 f"known keys: {', '.join(sorted(known))}"
             )
         default = getattr(base, key)
+        value: Any
         try:
             if key == "pool":
                 changes[key] = parse_pool(raw)
@@ -196,9 +197,7 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
             if isinstance(default, tuple):
                 value = _uids(raw)
             elif isinstance(default, bool):
-                value: Any = (
-                    raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
-                )
+                value = raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
             elif isinstance(default, int):
                 value = int(raw)
             elif isinstance(default, float):

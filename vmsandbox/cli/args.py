@@ -66,7 +66,7 @@ def _positive(text: str, *, field: str) -> int:
     return int(text)
 
 
-def _json_parent() -> argparse.ArgumentParser:
+def _json_parent() -> _Parser:
     """``--json`` for every subcommand. SUPPRESS as default, so that a subcommand without it
     keeps the value the top-level parser read (``vmsandbox --json list``)."""
     parent = _Parser(add_help=False)

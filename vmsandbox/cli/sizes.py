@@ -6,7 +6,7 @@ import re
 
 from vmsandbox.errors import InvalidArgument
 
-_UNITS = {"": None, "k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
+_UNITS: dict[str, float] = {"k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
 _SIZE_RE = re.compile(r"^\s*([0-9]{1,12})\s*([kKmMgGtT]?)(?:i?[bB]|i)?\s*$")
 
 

@@ -79,13 +79,13 @@ def gpu_request_from_flags(
     if gpu_count is not None:
         require_count(gpu_count, "--gpu-count")
     devices = normalise_device_ids(gpu_devices, "--gpu-device")
-    filters = {
-        "vendor": None if gpu_vendor is None else normalise_vendor(gpu_vendor, "--gpu-vendor"),
-        "model": None if gpu_model is None else normalise_model(gpu_model, "--gpu-model"),
-        "min_memory_mib": None
+    vendor = None if gpu_vendor is None else normalise_vendor(gpu_vendor, "--gpu-vendor")
+    model = None if gpu_model is None else normalise_model(gpu_model, "--gpu-model")
+    min_memory_mib = (
+        None
         if gpu_memory is None
-        else bytes_to_mib(parse_memory_quantity(gpu_memory, "--gpu-memory")),
-    }
+        else bytes_to_mib(parse_memory_quantity(gpu_memory, "--gpu-memory"))
+    )
     if gpu is not None and gpu_count is not None and gpu != gpu_count:
         raise invalid(
             "--gpu-count",
@@ -102,11 +102,13 @@ def gpu_request_from_flags(
                     f"--gpu-all takes every free GPU, so {flag} cannot be given with it: "
                     f"drop {flag} or --gpu-all",
                 )
-        return GpuRequest(all=True, **filters)
+        return GpuRequest(all=True, vendor=vendor, model=model, min_memory_mib=min_memory_mib)
 
     count = gpu if gpu_count is None else gpu_count
     count_flag = "--gpu" if gpu_count is None else "--gpu-count"
     check_count_matches_devices(count, devices, count_flag, "--gpu-device")
-    if count is None and not devices and not any(filters.values()):
+    if count is None and not devices and not any((vendor, model, min_memory_mib)):
         return None
-    return GpuRequest(count=count, devices=devices, **filters)
+    return GpuRequest(
+        count=count, devices=devices, vendor=vendor, model=model, min_memory_mib=min_memory_mib
+    )

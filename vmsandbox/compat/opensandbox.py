@@ -36,6 +36,7 @@ Deliberately different:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal, cast
 
 from vmsandbox.compat._wire import as_mapping, count_from_text
 from vmsandbox.gpu.request import GpuRequest, invalid, shown
@@ -72,7 +73,7 @@ def gpu_request(resource_limits: Mapping[str, str] | None) -> GpuRequest | None:
                 f"{shown(key.strip().lower())}? Resource names are case-sensitive",
             )
 
-    generic = _generic(limits.get(_GENERIC))
+    generic = _generic(cast("str | None", limits.get(_GENERIC)))  # every value is a str: above
     vendors = [(key, vendor, _vendor_count(limits, key)) for key, vendor in _VENDOR_KEYS.items()]
     vendors = [(key, vendor, count) for key, vendor, count in vendors if count is not None]
     if len(vendors) > 1:
@@ -106,7 +107,7 @@ def gpu_request(resource_limits: Mapping[str, str] | None) -> GpuRequest | None:
     return GpuRequest(count=count, vendor=vendor)
 
 
-def _generic(value: str | None) -> int | str | None:
+def _generic(value: str | None) -> int | Literal["all"] | None:
     """``gpu``'s value as Docker's ``_resolve_resource_limits`` reads it: a count, "all", or
     None when the key is absent."""
     field = _field(_GENERIC)

@@ -220,12 +220,11 @@ def _field_name(key: object, field: str, schema: Schema) -> str:
     for name in schema:
         if key in (name, json_name(name)):
             return name
-    hint = None
     if isinstance(key, str):
         hint = _HINTS.get((field, key)) or _HINTS.get((field, _snake(key)))
-    if hint is not None:
-        where = key if field == "spec" else f"{field}.{key}"
-        raise invalid(where, key, hint.format(where=where))
+        if hint is not None:
+            where = key if field == "spec" else f"{field}.{key}"
+            raise invalid(where, key, hint.format(where=where))
     names = ", ".join(f"{name} ({json_name(name)})" if "_" in name else name for name in schema)
     raise invalid(
         field,

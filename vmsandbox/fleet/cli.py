@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 from vmsandbox.errors import InvalidArgument
@@ -39,7 +40,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     """``fleet`` and its subcommands, on the ``vmsandbox`` parser's subcommands ``sub``."""
     fleet = sub.add_parser("fleet", parents=parents, help="many hosts as one, through Ray")
     commands = fleet.add_subparsers(dest="fleet_command", required=True, parser_class=type(fleet))

@@ -102,7 +102,7 @@ class Fleet:
             ray.init(
                 address=address or os.environ.get(ADDRESS_ENV) or "auto",
                 namespace=model.NAMESPACE,
-                logging_level="warning",
+                logging_level=logging.WARNING,
                 log_to_driver=False,
             )
         self.table = HostTable()

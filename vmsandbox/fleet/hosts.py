@@ -52,7 +52,7 @@ class HostTable:
     def _refresh(self) -> dict[str, HostView]:
         seen = claims.nodes()
         alive = {node.host: node for node in seen if node.alive}
-        pings = {}
+        pings: dict[str, ray.ObjectRef] = {}
         for host in alive:
             try:
                 agent = ray.get_actor(model.agent_name(host), namespace=model.NAMESPACE)

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -120,7 +121,7 @@ def join(
     info = read_host(socket_path)
     totals = model.host_totals(name, info)
     labels = model.host_labels(name, info)
-    ray.init(address=address, namespace=model.NAMESPACE, logging_level="warning")
+    ray.init(address=address, namespace=model.NAMESPACE, logging_level=logging.WARNING)
     if stop is None:  # after Ray's start, which sets handlers of its own
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -174,7 +175,7 @@ def _leave(address: str, name: str) -> None:
     """Close the host's agent (its pinned claim given back) and stop it."""
     import ray
 
-    ray.init(address=address, namespace=model.NAMESPACE, logging_level="warning")
+    ray.init(address=address, namespace=model.NAMESPACE, logging_level=logging.WARNING)
     try:
         agent = ray.get_actor(model.agent_name(name), namespace=model.NAMESPACE)
         ray.get(agent.close.remote(), timeout=10)
@@ -195,16 +196,16 @@ def _wait_node(name: str, node: subprocess.Popen[str]) -> None:
         time.sleep(0.2)
 
 
-def _wait_ready(name: str, agent: object, node: subprocess.Popen[str]) -> None:
+def _wait_ready(name: str, agent: Any, node: subprocess.Popen[str]) -> None:
     import ray
 
     deadline = time.monotonic() + JOIN_TIMEOUT
-    last: dict | None = None
+    last: dict[str, Any] | None = None
     while time.monotonic() < deadline:
         if node.poll() is not None:
             raise Unavailable(f"host {name}: the Ray node stopped: {_tail(node)}")
         try:
-            last = ray.get(agent.ping.remote(), timeout=10)  # type: ignore[attr-defined]
+            last = ray.get(agent.ping.remote(), timeout=10)
         except ray.exceptions.GetTimeoutError:
             continue
         if last["ready"]:

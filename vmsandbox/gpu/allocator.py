@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from vmsandbox.gpu.request import GpuRequest, memory_satisfies, model_matches
@@ -240,7 +240,7 @@ def _never(
 ) -> FailedPrecondition:
     """The host cannot ever satisfy the request: say how many, and why not more."""
     asked = _count(wanted, "GPU") if wanted is not None else "any GPU"
-    details = {"wanted": wanted, "max_gpus": max_gpus, "available": len(matching)}
+    details: dict[str, Any] = {"wanted": wanted, "max_gpus": max_gpus, "available": len(matching)}
     if wanted is not None and wanted > max_gpus:
         return FailedPrecondition(
             f"{asked} asked, but a sandbox takes at most {max_gpus}", details=details
@@ -298,7 +298,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def _holders(held: dict[str, str | None]) -> str:
+def _holders(held: dict[str, str]) -> str:
     return ", ".join(f"{bdf} by domain {domain!r}" for bdf, domain in held.items())
 
 

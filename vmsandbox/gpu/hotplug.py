@@ -42,7 +42,7 @@ from lxml import etree
 
 from vmsandbox.gpu import passthrough
 from vmsandbox.host.model import Bar, Gpu
-from vmsandbox.vm.domain import QEMU_NS, USER_NET_SLOT
+from vmsandbox.vm.domain import QEMU_NS, USER_NET_SLOT, attribute, required
 
 MIB = 1 << 20
 # A bridge's memory window has a 1 MiB granularity (PCI-to-PCI bridge spec).
@@ -147,8 +147,8 @@ def port_indexes(ports: int) -> tuple[int, ...]:
 def apply(root: etree._Element, plan: HotplugPlan) -> None:
     """Write ``plan`` into the ``<domain>`` ``root`` (see the module docstring); ValueError
     when the domain already has a PCI controller at a spare port's index."""
-    devices = root.find("devices")
-    taken = {int(c.get("index")) for c in devices.iterfind("controller[@type='pci']")}
+    devices = required(root, "devices")
+    taken = {int(attribute(c, "index")) for c in devices.iterfind("controller[@type='pci']")}
     if taken & set(port_indexes(plan.ports)):
         raise ValueError(f"PCI controller indexes {sorted(taken)} overlap the spare ports'")
     passthrough.apply(root, plan.devices)
@@ -203,11 +203,11 @@ def _place_on_root_bus(devices: etree._Element) -> None:
     none takes a spare port."""
     if devices.find("controller[@type='usb']") is None:
         usb = etree.Element("controller", type="usb", index="0", model="qemu-xhci")
-        devices.find("controller").addnext(usb)
+        required(devices, "controller").addnext(usb)
     has_serial = devices.find("controller[@type='virtio-serial']") is not None
     if devices.find("channel/target[@type='virtio']") is not None and not has_serial:
         serial = etree.Element("controller", type="virtio-serial", index="0")
-        devices.find("controller[@type='usb']").addnext(serial)
+        required(devices, "controller[@type='usb']").addnext(serial)
     slot = FIRST_DEVICE_SLOT
     for device in devices:
         if device.find("address") is not None or not _on_pci(device):
@@ -228,7 +228,7 @@ def _on_pci(device: etree._Element) -> bool:
     """Whether libvirt gives ``device`` a PCI address: virtio disks, rng, NICs, USB and
     virtio-serial controllers."""
     if device.tag == "disk":
-        return device.find("target").get("bus") == "virtio"
+        return required(device, "target").get("bus") == "virtio"
     if device.tag == "controller":
         return device.get("type") in ("usb", "virtio-serial")
     return device.tag in ("rng", "interface")

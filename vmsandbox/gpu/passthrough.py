@@ -60,7 +60,7 @@ from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.host.model import Gpu
 from vmsandbox.host.numa import format_cpuset
 from vmsandbox.host.numa import host_cpus_by_node as host_cpus_by_node
-from vmsandbox.vm.domain import QEMU_NS
+from vmsandbox.vm.domain import QEMU_NS, attribute, required
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 # OVMF's 64-bit aperture when fw_cfg does not size it: never go below it.
@@ -217,7 +217,7 @@ def phys_bits(memory_mib: int, window: int) -> int:
 
 def apply(root: etree._Element, plan: PassthroughPlan) -> None:
     """Write ``plan`` into the ``<domain>`` element ``root`` (see the module docstring)."""
-    devices = root.find("devices")
+    devices = required(root, "devices")
     pcie_root = devices.find("controller[@type='pci'][@model='pcie-root']")
     if pcie_root is None:
         raise ValueError("GPU passthrough needs a q35 domain with a pcie-root controller")
@@ -244,7 +244,7 @@ def apply(root: etree._Element, plan: PassthroughPlan) -> None:
 
 def _add_gpus(devices: etree._Element, slots: Sequence[Sequence[str]], *, rom: bool) -> None:
     controllers = devices.findall("controller")
-    index = 1 + max(int(c.get("index")) for c in controllers if c.get("type") == "pci")
+    index = 1 + max(int(attribute(c, "index")) for c in controllers if c.get("type") == "pci")
     balloon = devices.find("memballoon")
     if balloon is None:
         balloon = etree.SubElement(devices, "memballoon")
@@ -263,7 +263,7 @@ def hostdev(bdf: str, bus: int, *, multifunction: bool, rom: bool) -> etree._Ele
     option ROM unless ``rom`` (SeaBIOS would run a VGA card's)."""
     element = etree.Element("hostdev", mode="subsystem", type="pci", managed="yes")
     source = libvirt_address(bdf)
-    etree.SubElement(etree.SubElement(element, "source"), "address", **source)
+    etree.SubElement(etree.SubElement(element, "source"), "address", attrib=source)
     guest = etree.SubElement(
         element,
         "address",
@@ -286,7 +286,7 @@ def _set_phys_bits(root: etree._Element, bits: int) -> None:
         cpu = etree.Element("cpu", mode="custom", match="exact", check="none")
         etree.SubElement(cpu, "model", fallback="forbid").text = DEFAULT_CPU_MODEL
         etree.SubElement(cpu, "feature", policy="require", name="pdpe1gb")
-        root.find("features").addnext(cpu)
+        required(root, "features").addnext(cpu)
     if cpu.get("mode") == "host-passthrough":
         etree.SubElement(cpu, "maxphysaddr", mode="passthrough")
     else:
@@ -332,5 +332,5 @@ def _child(parent: etree._Element, tag: str, *, after: str) -> etree._Element:
     found = parent.find(tag)
     if found is None:
         found = etree.Element(tag)
-        parent.find(after).addnext(found)
+        required(parent, after).addnext(found)
     return found

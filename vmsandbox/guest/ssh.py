@@ -326,8 +326,9 @@ def _session(
     if stdin is not None:
         channel.sendall(stdin)
     channel.shutdown_write()
-    out_sink = stdout or io.BytesIO()
-    err_sink = stderr or io.BytesIO()
+    collected_out, collected_err = io.BytesIO(), io.BytesIO()  # read when no stream is given
+    out_sink = collected_out if stdout is None else stdout
+    err_sink = collected_err if stderr is None else stderr
     deadline = time.monotonic() + timeout if timeout else None
     while True:
         got = False
@@ -358,8 +359,8 @@ def _session(
         raise EOFError("the guest closed the connection before the command exited")
     return ExecResult(
         exit_status=status,
-        stdout=out_sink.getvalue().decode(errors="replace") if stdout is None else "",
-        stderr=err_sink.getvalue().decode(errors="replace") if stderr is None else "",
+        stdout=collected_out.getvalue().decode(errors="replace") if stdout is None else "",
+        stderr=collected_err.getvalue().decode(errors="replace") if stderr is None else "",
     )
 
 

@@ -105,7 +105,8 @@ class PynvmlApi:
         self._call(self._nvml.nvmlShutdown)
 
     def device_count(self) -> int:
-        return self._call(self._nvml.nvmlDeviceGetCount)
+        count: int = self._call(self._nvml.nvmlDeviceGetCount)
+        return count
 
     def bus_id(self, index: int) -> str:
         return _text(self._call(self._nvml.nvmlDeviceGetPciInfo, self._handle(index)).busId)
@@ -114,7 +115,8 @@ class PynvmlApi:
         return _text(self._call(self._nvml.nvmlDeviceGetName, self._handle(index)))
 
     def memory_total(self, index: int) -> int:
-        return self._call(self._nvml.nvmlDeviceGetMemoryInfo, self._handle(index)).total
+        total: int = self._call(self._nvml.nvmlDeviceGetMemoryInfo, self._handle(index)).total
+        return total
 
     def uuid(self, index: int) -> str:
         return _text(self._call(self._nvml.nvmlDeviceGetUUID, self._handle(index)))

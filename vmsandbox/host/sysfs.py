@@ -149,12 +149,14 @@ class PciFunction:
     @cached_property
     def hwdb_name(self) -> str | None:
         """Model name from udev's hwdb (``ID_MODEL_FROM_DATABASE``), if udev set one."""
-        return self._device.properties.get("ID_MODEL_FROM_DATABASE")
+        name: str | None = self._device.properties.get("ID_MODEL_FROM_DATABASE")
+        return name
 
     @cached_property
     def hwdb_class_name(self) -> str | None:
         """Subclass name from udev's hwdb (``ID_PCI_SUBCLASS_FROM_DATABASE``)."""
-        return self._device.properties.get("ID_PCI_SUBCLASS_FROM_DATABASE")
+        name: str | None = self._device.properties.get("ID_PCI_SUBCLASS_FROM_DATABASE")
+        return name
 
     @cached_property
     def parent_bdf(self) -> str | None:
@@ -162,7 +164,8 @@ class PciFunction:
         parent = self._device.parent
         if parent is None or parent.subsystem != "pci":
             return None
-        return parent.sys_name
+        bdf: str = parent.sys_name
+        return bdf
 
 
 def scan_pci() -> dict[str, PciFunction]:

@@ -79,7 +79,7 @@ def render_table(inv: Inventory) -> str:
             for gpu in blocked:
                 lines += [f"  {gpu.index} {gpu.bdf}: {reason}" for reason in gpu.reasons]
     if inv.fabric:
-        rows = [
+        fabric_rows = [
             (
                 dev.bdf,
                 dev.vendor,
@@ -90,7 +90,7 @@ def render_table(inv: Inventory) -> str:
             )
             for dev in inv.fabric
         ]
-        lines += ["", "fabric (not passed to guests):", *render_grid(FABRIC_HEADER, rows)]
+        lines += ["", "fabric (not passed to guests):", *render_grid(FABRIC_HEADER, fabric_rows)]
     if inv.gpus:
         lines += ["", _summary(inv)]
     lines += [f"note: {note}" for note in inv.notes]

@@ -20,6 +20,7 @@ What a recipe is: recipe.py; how it becomes the files of one build: build.py.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import fcntl
@@ -133,7 +134,7 @@ class ImageStore:
         path = meta_file.parent.resolve()
         return BaseImage(name=name, id=path.name, path=path, meta=meta)
 
-    def names(self) -> list[str]:
+    def names(self) -> builtins.list[str]:
         """Every image name with a folder in the store, built or not."""
         if not self.root.is_dir():
             return []
@@ -143,7 +144,7 @@ class ImageStore:
             if entry.is_dir() and not entry.is_symlink() and not entry.name.startswith(".")
         )
 
-    def builds(self, name: str) -> list[BaseImage]:
+    def builds(self, name: str) -> builtins.list[BaseImage]:
         """Every finished build of ``name``, current or not (a build without readable
         metadata is listed with empty metadata, so that prune can clear it away)."""
         folder = self.root / name
@@ -158,7 +159,7 @@ class ImageStore:
             found.append(BaseImage(name=name, id=entry.name, path=entry.resolve(), meta=meta))
         return found
 
-    def remove(self, name: str, users: Users) -> list[Removed]:
+    def remove(self, name: str, users: Users) -> builtins.list[Removed]:
         """Remove image ``name``, every build of it; refused while a sandbox's disk backs onto
         any of them. ``users()``, asked under the image lock: build folder -> sandboxes
         (image_users.image_users)."""
@@ -184,7 +185,7 @@ class ImageStore:
             shutil.rmtree(self.root / name)
         return removed
 
-    def prune(self, users: Users) -> list[Removed]:
+    def prune(self, users: Users) -> builtins.list[Removed]:
         """Remove every build that is not the current one of its image and that no sandbox's
         disk backs onto, and the folders of builds that were killed half-way."""
         removed: list[Removed] = []
@@ -198,7 +199,7 @@ class ImageStore:
                 removed += [_delete(path, name) for path in self._partial_builds(name)]
         return removed
 
-    def _partial_builds(self, name: str) -> list[Path]:
+    def _partial_builds(self, name: str) -> builtins.list[Path]:
         """Build folders of a build or import that was killed: under the image lock no build
         of ``name`` is running, so every one of them is dead."""
         return sorted((self.root / name).glob(".build-*"))

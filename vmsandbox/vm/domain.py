@@ -65,23 +65,23 @@ def build_domain_xml(plan: DomainPlan) -> str:
     parser = etree.XMLParser(remove_blank_text=True, remove_comments=True, resolve_entities=False)
     root = etree.parse(str(TEMPLATE), parser).getroot()
     root.set("type", plan.virt_type)
-    root.find("name").text = plan.domain_name
+    required(root, "name").text = plan.domain_name
     uuid = etree.Element("uuid")
     uuid.text = plan.uuid
-    root.find("name").addnext(uuid)
+    required(root, "name").addnext(uuid)
     title = etree.Element("title")  # the sandbox's name, also where the domain name is not it
     title.text = str(plan.record.get("name", plan.domain_name))
     uuid.addnext(title)
-    _set_metadata(root.find("metadata"), plan.record, state=plan.state)
+    _set_metadata(required(root, "metadata"), plan.record, state=plan.state)
     for tag in ("memory", "currentMemory"):
-        root.find(tag).text = str(plan.memory_mib)
-    root.find("vcpu").text = str(plan.cpus)
-    _set_os(root.find("os"), plan)
+        required(root, tag).text = str(plan.memory_mib)
+    required(root, "vcpu").text = str(plan.cpus)
+    _set_os(required(root, "os"), plan)
     if plan.virt_type == "kvm":
         cpu = etree.Element("cpu", mode="host-passthrough", check="none", migratable="off")
-        root.find("features").addnext(cpu)
-    devices = root.find("devices")
-    console = devices.find("serial")
+        required(root, "features").addnext(cpu)
+    devices = required(root, "devices")
+    console = required(devices, "serial")
     _add_disks(devices, console, plan)
     log = etree.SubElement(console, "log", file=str(plan.console_log), append="off")
     console.insert(0, log)
@@ -91,6 +91,24 @@ def build_domain_xml(plan: DomainPlan) -> str:
     for add in plan.extra:
         add(root)
     return etree.tostring(root, pretty_print=True, encoding="unicode")
+
+
+def required(parent: etree._Element, path: str) -> etree._Element:
+    """``parent.find(path)`` for an element that the template (or libvirt) always writes; a
+    definition without it is malformed: ValueError."""
+    found = parent.find(path)
+    if found is None:
+        raise ValueError(f"the domain XML has no {path!r} in its {parent.tag!r} element")
+    return found
+
+
+def attribute(element: etree._Element, name: str) -> str:
+    """``element``'s attribute ``name``, which the template (or libvirt) always writes; an
+    element without it is malformed: ValueError."""
+    value = element.get(name)
+    if value is None:
+        raise ValueError(f"the domain XML's {element.tag!r} element has no {name!r} attribute")
+    return value
 
 
 def _set_os(os_el: etree._Element, plan: DomainPlan) -> None:
@@ -135,7 +153,7 @@ def _add_control(devices: etree._Element, path: Path) -> None:
     channel = etree.Element("channel", type="unix")
     etree.SubElement(channel, "source", mode="bind", path=str(path))
     etree.SubElement(channel, "target", type="virtio", name=CONTROL_PORT)
-    devices.find("rng").addprevious(channel)
+    required(devices, "rng").addprevious(channel)
 
 
 def _add_network(root: etree._Element, devices: etree._Element, plan: DomainPlan) -> None:
@@ -147,7 +165,7 @@ def _add_network(root: etree._Element, devices: etree._Element, plan: DomainPlan
         etree.SubElement(iface, "source", network=plan.network)
         etree.SubElement(iface, "model", type="virtio")
         etree.SubElement(iface, "rom", enabled="no")
-        devices.find("serial").addprevious(iface)
+        required(devices, "serial").addprevious(iface)
         return
     if plan.ssh_port is None:
         raise ValueError("user networking needs an ssh_port")

@@ -7,6 +7,7 @@ failures become our error codes here.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -213,11 +214,12 @@ class LibvirtHypervisor:
         """Whether the domain runs; False when there is none, an error when libvirt cannot
         say (a caller must never take "cannot tell" for "stopped")."""
         try:
-            return self.conn.lookupByName(domain).isActive() == 1
+            active: int = self.conn.lookupByName(domain).isActive()
         except libvirt.libvirtError as exc:
             if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
                 return False
             raise translate(exc, f"reading the state of {_what(domain)}") from exc
+        return active == 1
 
     def stop_reason(self, domain: str) -> str:
         try:
@@ -239,7 +241,7 @@ class LibvirtHypervisor:
         """The domains whose name starts with ``prefix``: all of them or an error."""
         return self._read_all(lambda name: name.startswith(prefix), hostdevs=False)
 
-    def _read_all(self, wanted: Callable[[str], bool], *, hostdevs: bool) -> list[Stored]:
+    def _read_all(self, wanted: Callable[[str], bool], *, hostdevs: bool) -> builtins.list[Stored]:
         with libvirt_errors("listing domains"):
             domains = self.conn.listAllDomains(0)
         found = []

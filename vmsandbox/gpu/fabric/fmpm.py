@@ -17,6 +17,7 @@ process status). Failures print one line:
 
 from __future__ import annotations
 
+import builtins
 import os
 import re
 import shutil
@@ -118,7 +119,7 @@ class Fmpm:
             details=details,
         )
 
-    def _connection(self) -> list[str]:
+    def _connection(self) -> builtins.list[str]:
         if self.unix_socket:
             return ["--unix-domain-socket", self.unix_socket]
         if self.hostname:

@@ -43,9 +43,9 @@ def map_addresses(gpus: Sequence[ExpectedGpu], functions: Sequence[PciFunction])
     # function of a multi-function card is a companion and names no bus of its own.
     first: dict[int, PciFunction] = {}
     for function in free:
-        address = parse_bdf(function.address)
-        if address and address.domain == 0 and address.slot == 0 and address.function == 0:
-            first[address.bus] = function
+        parsed = parse_bdf(function.address)
+        if parsed and parsed.domain == 0 and parsed.slot == 0 and parsed.function == 0:
+            first[parsed.bus] = function
     ports = sum(
         1
         for f in free
