@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, VmSandboxError
 from vmsandbox.guest import ssh
 from vmsandbox.guest.ssh import ExecResult
-from vmsandbox.sandbox.record import DOMAIN_PREFIX
+from vmsandbox.vm.domain import DOMAIN_PREFIX
 
 if TYPE_CHECKING:
     from vmsandbox.sandbox.manager import SandboxManager

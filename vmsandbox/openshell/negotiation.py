@@ -18,6 +18,7 @@ field. The limits are the gateway's own.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import vmsandbox
@@ -134,7 +135,7 @@ def _check_text(field: str, value: str) -> None:
         )
 
 
-def _capabilities(field: str, values: list[str]) -> set[str]:
+def _capabilities(field: str, values: Sequence[str]) -> set[str]:
     if len(values) > _MAX_CAPABILITIES:
         raise InvalidArgument(
             f"gateway.{field} has {len(values)} entries; at most {_MAX_CAPABILITIES} are allowed",

@@ -74,7 +74,7 @@ def serve(
     server.add_insecure_port(f"unix:{backend}")
     gate: PeerGate | None = None
     try:
-        if metrics is not None:
+        if metrics is not None and metrics_address:
             metrics.serve(metrics_address)
         server.start()
         gate = PeerGate(Path(socket_path), backend, frozenset(config.openshell_allowed_uids))

@@ -78,7 +78,8 @@ from vmsandbox.openshell.supervisor import Supervisor
 from vmsandbox.openshell.tunnel import GatewayTunnels
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.manager import SandboxManager
-from vmsandbox.sandbox.record import DOMAIN_PREFIX, STATE_READY, STATE_STARTED, STATE_STARTING
+from vmsandbox.sandbox.record import STATE_READY, STATE_STARTED, STATE_STARTING
+from vmsandbox.vm.domain import DOMAIN_PREFIX
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

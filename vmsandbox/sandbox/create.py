@@ -39,7 +39,6 @@ from vmsandbox.progress import Progress
 from vmsandbox.sandbox import boot, plan, reserve
 from vmsandbox.sandbox.holds import Hold, Holds, settled
 from vmsandbox.sandbox.record import (
-    DOMAIN_PREFIX,
     STATE_DEFINED,
     STATE_READY,
     STATE_STARTED,
@@ -48,6 +47,7 @@ from vmsandbox.sandbox.record import (
 )
 from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.vm import netguard
+from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor
 from vmsandbox.vm.process import Ownership
 

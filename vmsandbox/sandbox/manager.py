@@ -9,6 +9,7 @@ find sandboxes; a found sandbox's identity is its domain's UUID (``Sandbox.uuid`
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -32,7 +33,6 @@ from vmsandbox.sandbox.pool.keeper import WarmPool
 from vmsandbox.sandbox.pool.shapes import check_not_pooled_name, is_pool_guest
 from vmsandbox.sandbox.reconcile import reconcile as reconcile_sandboxes
 from vmsandbox.sandbox.record import (
-    DOMAIN_PREFIX,
     STATE_READY,
     SandboxFiles,
     SandboxRecord,
@@ -41,6 +41,7 @@ from vmsandbox.sandbox.record import (
 from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 from vmsandbox.sandbox.store import SandboxStore
 from vmsandbox.vm import virt
+from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor, LibvirtHypervisor
 
 if TYPE_CHECKING:
@@ -271,7 +272,7 @@ class SandboxManager:
         keys = self.keys_of(sandbox)
         return ssh.run(sandbox.ssh, keys, command, timeout=timeout, stdout=stdout, stderr=stderr)
 
-    def ssh_argv(self, name: str, command: Sequence[str] = ()) -> list[str]:
+    def ssh_argv(self, name: str, command: Sequence[str] = ()) -> builtins.list[str]:
         """The OpenSSH command line that logs into the sandbox with its pinned host key."""
         sandbox = self.get(name)
         if sandbox.ssh is None:
@@ -338,7 +339,7 @@ class SandboxManager:
 
     # -- repair -------------------------------------------------------------------------------
 
-    def reconcile(self) -> dict[str, list[str]]:
+    def reconcile(self) -> dict[str, builtins.list[str]]:
         """Finish removing what killed or failed calls left half-made in this state directory
         and release fabric partitions whose sandbox is gone (reconcile.py); returns what was
         removed, the partitions released and what could not be fixed."""

@@ -21,7 +21,6 @@ from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.image.build import KERNEL_CMDLINE, LATE_NIC_ARG
 from vmsandbox.image.store import BaseImage
 from vmsandbox.sandbox.record import (
-    DOMAIN_PREFIX,
     STATE_CREATING,
     HotplugRecord,
     SandboxFiles,
@@ -29,6 +28,7 @@ from vmsandbox.sandbox.record import (
     SshRecord,
 )
 from vmsandbox.vm import domain as domain_xml
+from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.process import ProcessIdentity
 
 if TYPE_CHECKING:

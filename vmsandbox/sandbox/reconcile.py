@@ -38,7 +38,6 @@ from vmsandbox.sandbox.create import Remains
 from vmsandbox.sandbox.holds import Hold, Holds, own
 from vmsandbox.sandbox.pool.shapes import holds as of_shape
 from vmsandbox.sandbox.record import (
-    DOMAIN_PREFIX,
     STATE_CREATING,
     STATE_POOLED,
     SandboxFiles,
@@ -47,6 +46,7 @@ from vmsandbox.sandbox.record import (
 from vmsandbox.sandbox.reserve import HostView
 from vmsandbox.sandbox.teardown import finish
 from vmsandbox.validate import validate_name
+from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor, Stored
 from vmsandbox.vm.process import Ownership
 
@@ -121,14 +121,14 @@ def _decide(
             holds.drop(hold.uuid)  # removed by something other than vmsandbox
             report.removed.append(hold.name)
     for record, stored in view.ours(config):
-        hold = current.get(stored.uuid)
-        if hold is not None and hold.owner:
+        found = current.get(stored.uuid)
+        if found is not None and found.owner:
             continue  # being worked on, or taken above
-        if hold is None and stored.uuid in gone and _gone(hypervisor, stored.uuid, stored.domain):
+        if found is None and stored.uuid in gone and _gone(hypervisor, stored.uuid, stored.domain):
             continue  # undefined since the view was read
-        legacy = hold is None
-        if hold is None:  # made before reservations existed: it gets one now
-            hold = holds.put(_backfill(config, record, stored))
+        legacy = found is None
+        # made before reservations existed: it gets one now
+        hold = holds.put(_backfill(config, record, stored)) if found is None else found
         # A settled hold says its transition committed, whatever the (older) view's state;
         # only a sandbox made before reservations is judged by its record, read again now.
         fresh = hypervisor.metadata(stored.domain) if legacy else None

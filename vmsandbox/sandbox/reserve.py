@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from vmsandbox.errors import AlreadyExists, FailedPrecondition
 from vmsandbox.sandbox import plan
 from vmsandbox.sandbox.holds import Hold, Holds
-from vmsandbox.sandbox.record import DOMAIN_PREFIX, SandboxRecord, names_domain
+from vmsandbox.sandbox.record import SandboxRecord, names_domain
+from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor, Stored
 
 if TYPE_CHECKING:

@@ -21,7 +21,6 @@ from vmsandbox.errors import FailedPrecondition, NotFound, Unavailable
 from vmsandbox.sandbox import credential
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.record import (
-    DOMAIN_PREFIX,
     STATE_CREATING,
     STATE_DEFINED,
     STATE_STARTING,
@@ -30,6 +29,7 @@ from vmsandbox.sandbox.record import (
     names_domain,
 )
 from vmsandbox.validate import validate_name
+from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor, Stored
 
 

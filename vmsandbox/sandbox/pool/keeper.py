@@ -235,7 +235,7 @@ class WarmPool:
         of an older build of the image are removed first: no create would claim them."""
         m = self.manager
         image = m.images.get(shape.image)
-        made = []
+        made: list[str] = []
         for record, state, uuid in self.guests():
             if state == STATE_POOLED and holds(shape, record) and record.image_id != image.id:
                 say(f"removing pooled guest {record.name}: image {record.image_id} was rebuilt")
