@@ -12,11 +12,11 @@ demo: setup
 	bash setup/demo.sh
 
 # The test run needs all three images: the NVIDIA one is booted by its own e2e test, and the
-# nested GPU host (tests/test_e2e_nested.py, through setup/nested.sh) by the real-VFIO tests.
+# nested GPU host (tests/e2e/test_nested.py, through setup/nested.sh) by the real-VFIO tests.
 # setup/platforms.sh builds .venv-platforms, the platforms' own released packages that
-# tests/test_compat_platforms.py compares vmsandbox.compat with and tests/test_openshell_sdk.py
+# tests/unit/compat/test_compat_platforms.py compares vmsandbox.compat with and tests/unit/openshell/test_request_sdk.py
 # drives the OpenShell driver with. The docs build comes before the suite: a broken link or a
-# stale reference fails it at once. The chaos module (tests/test_chaos.py: libvirtd restarts,
+# stale reference fails it at once. The chaos module (tests/reliability/test_chaos.py: libvirtd restarts,
 # killed servers, eight clients for two minutes, about 5 minutes) is part of the suite;
 # `make chaos` runs it alone.
 test:
@@ -28,7 +28,7 @@ test:
 	VMSANDBOX_DOCS_VENV=$(DOCS_VENV) .venv/bin/pytest -p no:cacheprovider -ra tests
 
 chaos: setup
-	.venv/bin/pytest -p no:cacheprovider -ra -m chaos tests/test_chaos.py
+	.venv/bin/pytest -p no:cacheprovider -ra -m chaos tests/reliability/test_chaos.py
 
 lint:
 	.venv/bin/ruff check vmsandbox tests bench docs setup

@@ -205,7 +205,7 @@ def coordinate(
     """Start the workers, let them go at once, wait; return the start, the workers' pids and
     all their holds."""
     sys.path.insert(0, str(common.REPO / "tests"))
-    from conftest_host import umockdev_run
+    from framework.fake_hosts import umockdev_run
 
     logs = [state / f"worker-{index}.jsonl" for index in range(args.procs)]
     procs: list[subprocess.Popen[str]] = []

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 import common  # noqa: E402
-from conftest_host import umockdev_run  # noqa: E402
+from framework.fake_hosts import umockdev_run  # noqa: E402
 
 from vmsandbox.tables import render_grid  # noqa: E402
 

@@ -1,12 +1,12 @@
 """The fleet under load: four hosts, 36 GPUs, 300 creates from 8 clients, then a host killed.
 
-The fleet is the one of tests/test_fleet.py, inside a network namespace of this run's own: a
-Ray head, four hosts each a vmsandbox driver on the fake hypervisor under its own umockdev host
-(two HGX H100 boards in shared NVSwitch mode with the fake fmpm, one HGX H100 board in full
-passthrough, one PCIe server with twelve L4: 8 + 8 + 8 + 12 GPUs), and the fleet server,
-whose socket 8 client threads drive as a gateway does. Each client creates sandboxes of 1, 2,
-4 or 8 GPUs (more than the fleet holds: some are refused) and deletes one of its own now and
-then. Halfway through, one HGX board's Ray side is killed; the clients go on.
+The fleet is the one of tests/e2e/test_fleet_fake_hosts.py, inside a network namespace of this run's
+own: a Ray head, four hosts each a vmsandbox driver on the fake hypervisor under its own umockdev
+host (two HGX H100 boards in shared NVSwitch mode with the fake fmpm, one HGX H100 board in full
+passthrough, one PCIe server with twelve L4: 8 + 8 + 8 + 12 GPUs), and the fleet server, whose
+socket 8 client threads drive as a gateway does. Each client creates sandboxes of 1, 2, 4 or 8 GPUs
+(more than the fleet holds: some are refused) and deletes one of its own now and then. Halfway
+through, one HGX board's Ray side is killed; the clients go on.
 
 What it reports (``--json FILE`` writes the same keys):
 
@@ -53,8 +53,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")  # read by Ray when it is import
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 import grpc  # noqa: E402
-from fleet_cluster import cluster, free_port, own_network, start_fake_host, stop  # noqa: E402
-from openshell_client import stub  # noqa: E402
+from framework.fleet_cluster import cluster, free_port, own_network, start_fake_host, stop  # noqa: E402
+from framework.openshell_client import stub  # noqa: E402
 
 from vmsandbox.fleet import claims, model  # noqa: E402
 from vmsandbox.fleet.core import Fleet  # noqa: E402

@@ -235,7 +235,7 @@ def summary(values: Sequence[float]) -> dict[str, float]:
 
 def coordinate(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(common.REPO / "tests"))
-    from conftest_host import umockdev_run
+    from framework.fake_hosts import umockdev_run
 
     with common.state_dir("lockload") as root:
         print(f"defining {args.domains} sandboxes ...", file=sys.stderr)

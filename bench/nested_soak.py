@@ -1,11 +1,12 @@
 """How often the nested GPU host loses an L1, for one L1 configuration.
 
 Each round starts a pristine L1 (restored from the snapshot of the first boot) and boots one L2
-in it under KVM inside the TCG L1, watched as the test module watches it (tests/nested_host.py:
-console, heartbeat, crawl). The workload ``create`` (the default) creates a sandbox holding both
-emulated cards, runs a command in it and destroys it; ``pool`` fills a GPU-ready pool of one
-guest (the module's shape), claims it with one GPU attached live, runs a command and destroys
-it. It prints one line per round and a summary, and writes JSON with ``--json FILE``.
+in it under KVM inside the TCG L1, watched as the test module watches it
+(tests/framework/nested_host.py: console, heartbeat, crawl). The workload ``create`` (the default)
+creates a sandbox holding both emulated cards, runs a command in it and destroys it; ``pool`` fills
+a GPU-ready pool of one guest (the module's shape), claims it with one GPU attached live, runs a
+command and destroys it. It prints one line per round and a summary, and writes JSON with ``--json
+FILE``.
 
 The configuration is setup/nested.sh's environment, for example::
 
@@ -30,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from nested_host import POOL_CONFIG, POOL_TOML, BudgetExhausted, L1Lost, NestedHost  # noqa: E402
+from framework.nested_host import POOL_CONFIG, POOL_TOML, BudgetExhausted, L1Lost, NestedHost  # noqa: E402
 
 CONFIG_KEYS = (
     "VMSANDBOX_NESTED_CPU",

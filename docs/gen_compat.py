@@ -1,8 +1,9 @@
 """Write docs/compatibility.md from vmsandbox.compat.fields (``--stdout``: print it instead).
 
 The page lists, per platform, each GPU field, what the platform does with it and what vmsandbox
-does, with examples; tests/test_compat_platforms.py runs every example through the platform's
-released code and through vmsandbox, and checks that the committed page is what this writes.
+does, with examples; tests/unit/compat/test_compat_platforms.py runs every example through the
+platform's released code and through vmsandbox, and checks that the committed page is what this
+writes.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ HEADER = """\
 `vmsandbox.compat` reads the GPU part of other platforms' requests into a `GpuRequest`. Each
 platform's own released code was fed the same requests (`make test` installs the packages
 pinned in setup/platforms/requirements.txt into `.venv-platforms`, and
-tests/test_compat_platforms.py compares them spec for spec, hand-picked and generated): what the
-platform accepts is accepted and means what it means there, and what it refuses is refused
-with `INVALID_ARGUMENT` naming the field, the value and what is allowed. The rows marked
-*intended difference* are the exceptions, each asserted by that test: vmsandbox refuses what
-would start a sandbox that cannot work or is not the one asked for, passes more than one GPU
-to a VM, still reads OpenShell's earlier GPU fields, and leaves the values of fields that are
-not about GPUs to their own readers. Every example below is checked there against both sides.
+tests/unit/compat/test_compat_platforms.py compares them spec for spec, hand-picked and generated):
+what the platform accepts is accepted and means what it means there, and what it refuses is refused
+with `INVALID_ARGUMENT` naming the field, the value and what is allowed. The rows marked *intended
+difference* are the exceptions, each asserted by that test: vmsandbox refuses what would start a
+sandbox that cannot work or is not the one asked for, passes more than one GPU to a VM, still reads
+OpenShell's earlier GPU fields, and leaves the values of fields that are not about GPUs to their own
+readers. Every example below is checked there against both sides.
 
 Device ids everywhere: a PCI address (`0000:41:00.0`, `41:00.0`, `pci_0000_41_00_0`), an NVIDIA
 UUID, a ROCm UUID, a DRM card name (`card1`) or an inventory index (`0`).

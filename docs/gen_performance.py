@@ -8,7 +8,7 @@ run benchmarks with ``--out docs/results`` and then this script:
     .venv/bin/python docs/gen_performance.py
 
 ``--check`` writes nothing and exits 1 when the committed page differs from what the reports
-give (tests/test_docs.py runs the same comparison). Standard library only, so any Python 3.11
+give (tests/unit/test_docs.py runs the same comparison). Standard library only, so any Python 3.11
 runs it.
 """
 

@@ -43,7 +43,7 @@ QEMU=/usr/bin/qemu-system-x86_64
 # L1's CPU: an EPYC with SVM and nested paging (TCG drops the features it lacks, with warnings
 # in qemu.log). KVM inside TCG is unreliable (docs/nested-gpu-host.md): an L2 boot crawls now
 # and then and L1's kernel can overflow a vCPU thread's stack in its exception entry and panic;
-# the tests watch L1 and run a step again in a pristine L1 (tests/nested_host.py).
+# the tests watch L1 and run a step again in a pristine L1 (tests/framework/nested_host.py).
 L1_CPU="${VMSANDBOX_NESTED_CPU:-EPYC}"
 TCG_THREAD="${VMSANDBOX_NESTED_TCG_THREAD:-multi}"
 # The two cards: an RV100 (Radeon 7000, 1002:5159, which radeon drives) and a Rage 128 Pro
@@ -106,9 +106,9 @@ make_data_disk() {
 }
 
 # The checkout's package, the templates it reads from beside it and the tests' crash entry
-# point (tests/crash_cli.py, for the kill-at-each-stage tests), replacing the last copy.
+# point (tests/framework/crash_cli.py, for the kill-at-each-stage tests), replacing the last copy.
 sync_code() {
-  tar -C "$PWD" --exclude=__pycache__ -cf - vmsandbox templates tests/crash_cli.py \
+  tar -C "$PWD" --exclude=__pycache__ -cf - vmsandbox templates tests/framework/crash_cli.py \
     | ssh_l1 'cd /opt/vmsandbox/src && rm -rf vmsandbox templates tests && tar -xf -'
 }
 

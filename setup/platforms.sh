@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent: the virtualenv .venv-platforms with the platforms' released packages
 # (setup/platforms/requirements.txt, every dependency held by setup/platforms/constraints.txt),
-# which tests/test_compat_platforms.py and tests/test_openshell_sdk.py run as subprocesses.
+# which tests/unit/compat/test_compat_platforms.py and tests/unit/openshell/test_request_sdk.py run as subprocesses.
 # Rebuilt only when the pins or the interpreter change. flowmesh needs Python 3.12 or newer;
 # Debian 12's python3 is 3.11, so the interpreter is $PLATFORMS_PYTHON, else python3.12 (the one
 # the constraints were frozen with), 3.13 or 3.14 on PATH, else the oldest 3.12+ under pyenv.

@@ -22,7 +22,7 @@ Layers, top first:
     host        the host's GPUs and topology
     core        config errors lock progress resources tables tools validate
 
-tests/test_layering.py reads this table and fails on an import against it, on any import cycle
+tests/unit/test_layering.py reads this table and fails on an import against it, on any import cycle
 and on a module grown too long.
 """
 

@@ -5,8 +5,9 @@ keys forbidden), ``src/shared/utils/parsing.py`` (``parse_mem_to_bytes``, at 202
 ``src/shared/utils/hardware.py`` (at 6f1ac4c2) and ``src/worker/executors/ssh_session/config.py``
 (``_resolve_gpu_devices``, at 7d2a77ac), with tests ``tests/shared/utils/test_hardware.py`` and
 ``tests/shared/test_spec_uses_gpu.py``. The released ``flowmesh`` package has the CLI that
-writes the block but no reader of it: tests/test_compat_platforms.py restates the worker's rule
-from those files and checks the adapter against it, and reads back what the CLI writes.
+writes the block but no reader of it: tests/unit/compat/test_compat_platforms.py restates the
+worker's rule from those files and checks the adapter against it, and reads back what the CLI
+writes.
 
 FlowMesh's verdict, kept:
 

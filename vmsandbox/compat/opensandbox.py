@@ -1,6 +1,7 @@
 """OpenSandbox: the GPU entries of ``CreateSandboxRequest.resourceLimits`` (strings to strings).
 
-Rules of the released ``opensandbox-server`` 1.1.1, which tests/test_compat_platforms.py runs:
+Rules of the released ``opensandbox-server`` 1.1.1, which tests/unit/compat/test_compat_platforms.py
+runs:
 ``api/schema.py`` (``CreateSandboxRequest``, ``ResourceLimits``: ``Dict[str, str]``),
 ``services/helpers.py`` (``parse_gpu_request``), the Docker runtime's
 ``services/docker/container_ops.py`` (``_resolve_resource_limits``, the ``DeviceRequest``) and

@@ -9,7 +9,8 @@ commit: ``crates/openshell-server/src/grpc/validation.rs`` (``validate_gpu_reque
 ``crates/openshell-core/src/gpu.rs`` (``validate_specific_gpu_device_request``),
 ``crates/openshell-core/src/proto_struct.rs`` (``deserialize_optional_non_empty_string_list``)
 and the VM driver's ``crates/openshell-driver-vm/src/driver.rs`` (``VmSandboxDriverConfig``,
-``vm_gpu_device_id``). tests/test_compat_platforms.py feeds the same specs to the package.
+``vm_gpu_device_id``). tests/unit/compat/test_compat_platforms.py feeds the same specs to the
+package.
 
 OpenShell's verdict, kept:
 

@@ -1,11 +1,12 @@
 """Tako: a job type's GPU settings, ``gpu: {enabled, vendor, count, device_ids}``.
 
 Tako reads a job type with two readers, and the released ``tako-vm`` 0.3.0 (which
-tests/test_compat_platforms.py runs) has both: ``tako_vm/config.py`` ``JobTypeGPUConfig`` (a
-pydantic model, for the config file) and ``tako_vm/job_types.py`` ``JobType.from_dict`` (the
-registry JSON, which reads each field with ``bool()``, ``list()`` or as it comes, then checks
-the result with the same model). A setting is taken here as both read it: where they agree it
-means what it means to Tako; where they disagree, or either refuses it, it is refused.
+tests/unit/compat/test_compat_platforms.py runs) has both: ``tako_vm/config.py``
+``JobTypeGPUConfig`` (a pydantic model, for the config file) and ``tako_vm/job_types.py``
+``JobType.from_dict`` (the registry JSON, which reads each field with ``bool()``, ``list()`` or as
+it comes, then checks the result with the same model). A setting is taken here as both read it:
+where they agree it means what it means to Tako; where they disagree, or either refuses it, it is
+refused.
 
 Tako's verdict, kept:
 

@@ -1,8 +1,8 @@
 """The hypervisor seam: the few operations the manager needs, and their libvirt implementation.
 
 The manager talks to ``Hypervisor`` only, by domain name, so its logic is unit-tested against a
-fake (tests/fake_hypervisor.py) while the end-to-end tests use the real libvirtd. libvirt's
-failures become our error codes here.
+fake (tests/framework/fake_hypervisor.py) while the end-to-end tests use the real libvirtd.
+libvirt's failures become our error codes here.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 it and what vmsandbox does, with examples.
 
 docs/gen_compat.py writes docs/compatibility.md from this table, and
-tests/test_compat_platforms.py runs every example through the platform's own released code and
-through the adapter, so each example on the page reads as both sides really answer it. A row
-whose ``differs`` is set is one of the intended differences that test lists and asserts.
+tests/unit/compat/test_compat_platforms.py runs every example through the platform's own released
+code and through the adapter, so each example on the page reads as both sides really answer it. A
+row whose ``differs`` is set is one of the intended differences that test lists and asserts.
 """
 
 from __future__ import annotations

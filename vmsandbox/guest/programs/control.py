@@ -30,7 +30,8 @@ from pathlib import Path
 
 PREFIX = "vmsandbox-control"
 PORT_NAME = "org.vmsandbox.control.0"
-# vmsandbox/validate.py's sandbox name grammar (tests/test_guest_control.py keeps the two equal).
+# vmsandbox/validate.py's sandbox name grammar (tests/unit/guest/test_control.py keeps the two
+# equal).
 NAME_MAX = 48
 NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\Z")
 REQUEST_MAX = 128  # bytes of one request line, newline included

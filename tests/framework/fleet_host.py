@@ -1,0 +1,177 @@
+"""One host of the fleet tests: a vmsandbox driver (the OpenShell compute driver and HostInfo)
+on a Unix socket, over the fake hypervisor (tests/framework/fake_hypervisor.py), run under
+umockdev-run with a fake host's devices, so its GPUs, NUMA nodes and IOMMU groups are a real host's
+shape.
+
+Run as ``fleet_host.py --socket PATH --root DIR --fabric shared|full|none [--pool N]``:
+
+- ``shared``: fabricmanager.cfg says FABRIC_MODE=1 and the fake fmpm (tests/fixtures/fmpm)
+  keeps this host's partition state in ROOT/fm; ``full``: FABRIC_MODE=0 (full passthrough);
+  ``none``: no NVSwitch fabric.
+- There are no guests: a started sandbox is marked ready at once (``_become_ready``); pooled
+  guests (``--pool N``: a shape of the image ``tiny`` with 256 MiB, N guests, no GPUs) are
+  made by the fill steps without waiting for SSH, and a claim skips the hostname step, which
+  needs a guest. The pool is filled at start and refilled in this process after each claim.
+
+Everything else is vmsandbox's own code: the allocator, Fabric Manager partitions through
+fmpm, the host lock, the records in the fake domains. SIGTERM ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for framework.*
+
+from framework import paths
+from framework.fake_hypervisor import FakeHypervisor, unit_config
+from framework.openshell_client import Unwatched
+
+from vmsandbox.openshell.hostinfo import HostInfo
+from vmsandbox.openshell.metrics import HostMetrics
+from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
+from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
+from vmsandbox.openshell.readiness import Readiness
+from vmsandbox.openshell.service import ComputeDriver
+from vmsandbox.sandbox import runner
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.pool import keeper, shapes, steps
+from vmsandbox.sandbox.record import STATE_READY
+
+FIXTURES = paths.FIXTURES / "fmpm"
+DRIVER = "535.216.01"  # the NVIDIA driver the image records and the fake FM reports
+
+
+class SharedHypervisor(FakeHypervisor):
+    """The fake hypervisor shared by the driver's threads: one call at a time, as libvirtd
+    serializes what it changes. Every public method is wrapped when the instance is made (a
+    dataclass's ``__init__`` calls no ``__post_init__`` that its own class lacks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.RLock()
+        for name, method in vars(FakeHypervisor).items():
+            if callable(method) and not name.startswith("_"):
+                setattr(self, name, self._locked(getattr(self, name)))
+
+    def _locked(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return method(*args, **kwargs)
+
+        return call
+
+
+class InstantReadiness(Readiness):
+    """Guests that are ready as soon as they start."""
+
+    def become_ready(self, name: str, uuid: str, *, wait: bool = True) -> None:
+        with self._manager() as manager:
+            record, _state = manager.store.get(name)
+            manager.store.put(record, STATE_READY)
+
+
+class FakeGuests(ComputeDriver):
+    """The driver, with guests that are ready as soon as they start."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.readiness = InstantReadiness(self._manager, self.launches, self.tunnels)
+
+
+def fill(manager: SandboxManager) -> None:
+    """Make pooled guests until every shape is full (no SSH: the fill does not wait)."""
+    image = manager.images.get("tiny")
+    for shape in manager.config.pool:
+        while len([r for r, *_ in manager.pool.guests() if shapes.holds(shape, r)]) < shape.count:
+            spec = shapes.shape_spec(shape)
+            assert spec.name is not None
+            creation = manager.pool.creation(spec, spec.name, image, lambda _line: None)
+            creation.wait = False
+            creation.pool_key, creation.doing = shape.key, "fill"
+            runner.run(steps.FILL_STEPS, creation, manager.locked, manager.checkpoint)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--fabric", choices=("shared", "full", "none"), default="none")
+    parser.add_argument("--pool", type=int, default=0)
+    parser.add_argument("--metrics-address", help="HOST:PORT for the host's Prometheus metrics")
+    args = parser.parse_args()
+    # gRPC logs an RPC's unhandled exception with its traceback (the caller sees only UNKNOWN):
+    # into this host's log, as ``vmsandbox serve`` does.
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    overrides: dict[str, object] = {"boot_timeout": 30.0}
+    if args.fabric != "none":
+        cfg = root / "fabricmanager.cfg"
+        cfg.write_text(f"FABRIC_MODE={1 if args.fabric == 'shared' else 0}\n")
+        overrides["fabric_manager_config"] = cfg
+    if args.fabric == "shared":
+        fm = root / "fm"
+        fm.mkdir(exist_ok=True)
+        (fm / "version").write_text(DRIVER)
+        os.environ["FAKE_FMPM_STATE"] = str(fm)
+        overrides.update(
+            fmpm=str(FIXTURES / "fmpm"), fabric_manager=str(FIXTURES / "nv-fabricmanager")
+        )
+    if args.pool:
+        overrides["pool"] = {"small": {"image": "tiny", "memory_mib": 256, "count": args.pool}}
+    config = unit_config(root, **overrides)
+    meta = next(config.images.glob("tiny/*/meta.json"))
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "nvidia_driver_version": DRIVER}))
+    hypervisor = SharedHypervisor()
+
+    def manager() -> SandboxManager:
+        return SandboxManager(config, hypervisor=hypervisor, reconcile=False)
+
+    keeper.CLAIM_STEPS = tuple(s for s in steps.CLAIM_STEPS if s.name != "hostname")
+    refill = threading.Lock()
+
+    def refill_here(_pool: keeper.WarmPool) -> None:
+        def run() -> None:
+            with refill, manager() as m:
+                fill(m)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    keeper.WarmPool.refill_in_background = refill_here  # type: ignore[method-assign]
+    with manager() as m:
+        fill(m)
+    metrics = HostMetrics(manager) if args.metrics_address else None
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=16),
+        interceptors=[metrics.interceptor()] if metrics else [],
+    )
+    if metrics is not None:
+        metrics.serve(args.metrics_address)
+    pb_grpc.add_ComputeDriverServicer_to_server(
+        FakeGuests(config, Unwatched(), manager=manager), server
+    )
+    info_grpc.add_HostInfoServicer_to_server(HostInfo(config, manager=manager), server)
+    server.add_insecure_port(f"unix:{args.socket}")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server.start()
+    print("serving", flush=True)
+    stop.wait()
+    server.stop(2).wait()
+
+
+if __name__ == "__main__":
+    main()
