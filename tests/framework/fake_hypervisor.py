@@ -1,12 +1,16 @@
 """An in-memory ``Hypervisor`` for the manager's unit tests: domains are XML strings and a
-running flag; failures are injected per operation. The end-to-end tests use the real libvirtd."""
+running flag; failures are injected per operation. The end-to-end tests use the real libvirtd.
+
+It keeps libvirt's semantics where the manager could tell the difference, and
+tests/test_hypervisor_contract.py holds it to them: the same promises run against it and against
+``LibvirtHypervisor`` on libvirt's test driver."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -18,9 +22,17 @@ from vmsandbox.errors import FailedPrecondition, NotFound
 from vmsandbox.vm import domain as domain_xml
 from vmsandbox.vm.hypervisor import Stored
 
+_SANDBOX = f"{{{domain_xml.METADATA_NS}}}sandbox"
+
 
 @dataclass
 class FakeDomain:
+    """One domain, as libvirt keeps it: ``xml`` with ``data`` and ``state`` (its record) is
+    what the domain runs with, or will start with when it is off; ``next_xml`` a definition
+    given while it runs (libvirt's next config: what ``definition`` returns, in effect once the
+    guest is off). Devices attached with ``attach`` are in both (AFFECT_LIVE | AFFECT_CONFIG);
+    ``attached`` lists those attached to the running guest since it started."""
+
     xml: str
     data: dict[str, Any] | None
     state: str
@@ -28,7 +40,15 @@ class FakeDomain:
     running: bool = False
     reason: str = "never started"
     ignores_acpi: bool = False
-    attached: list[str] = field(default_factory=list)  # device XMLs attached since define
+    attached: list[str] = field(default_factory=list)  # device XMLs attached live, this boot
+    persistent: bool = True  # False once undefined while running: gone when it stops
+    next_xml: str | None = None
+
+    def change(self, edit: Callable[[etree._Element], None]) -> None:
+        """Apply ``edit`` to the running and the next definition alike."""
+        self.xml = _edited(self.xml, edit)
+        if self.next_xml is not None:
+            self.next_xml = _edited(self.next_xml, edit)
 
 
 @dataclass
@@ -50,18 +70,27 @@ class FakeHypervisor:
         return self.domains[domain]
 
     def define(self, xml: str) -> None:
+        """As libvirt: a definition replaces the one of the domain with its name and UUID (a
+        running guest runs on, on the old one, until it is off); a name held under another
+        UUID, or a UUID under another name, is refused."""
         root = etree.fromstring(xml.encode())
         name = root.findtext("name")
         self._hook("define", name)
-        parsed = domain_xml.read_metadata(xml)
-        data, state = parsed if parsed else (None, "unknown")
         old = self.domains.get(name)
         uuid = root.findtext("uuid") or (old.uuid if old else "") or str(uuid4())
         if old is not None and old.uuid and old.uuid != uuid:
             raise FailedPrecondition(f"domain {name!r} already exists with uuid {old.uuid}")
-        self.domains[name] = FakeDomain(
-            xml, data, state, uuid, running=bool(old and old.running), attached=[]
-        )
+        namesake = next((n for n, d in self.domains.items() if d.uuid == uuid and n != name), None)
+        if namesake is not None:
+            raise FailedPrecondition(f"domain {namesake!r} is already defined with uuid {uuid}")
+        if old is not None and old.running:
+            old.next_xml, old.persistent = xml, True
+            return
+        data, state = _record(xml)
+        if old is None:
+            self.domains[name] = FakeDomain(xml, data, state, uuid)
+        else:
+            self.domains[name] = replace(old, xml=xml, data=data, state=state, persistent=True)
 
     def _named(self, domain: str, uuid: str | None) -> str | None:
         """The name of the domain with ``uuid`` (when given), else ``domain`` if it exists."""
@@ -71,35 +100,56 @@ class FakeHypervisor:
 
     def start(self, domain: str) -> None:
         self._hook("start", domain)
-        self._get(domain).running = True
+        dom = self._get(domain)
+        if dom.running:
+            raise FailedPrecondition(f"starting domain {domain!r}: domain is already running")
+        dom.running = True
+
+    def _powered_off(self, name: str, reason: str) -> None:
+        """As libvirt when a guest is off: its live devices are given back, a domain
+        undefined while it ran (transient) is gone, and a definition given while it ran is
+        the one it starts with next."""
+        dom = self.domains[name]
+        dom.running, dom.reason = False, reason
+        dom.attached.clear()  # the definition keeps what was attached with AFFECT_CONFIG
+        if not dom.persistent:
+            del self.domains[name]
+        elif dom.next_xml is not None:
+            dom.xml, dom.next_xml = dom.next_xml, None
+            dom.data, dom.state = _record(dom.xml)
 
     def stop(self, domain: str, uuid: str | None = None) -> None:
         self._hook("stop", domain)
         name = self._named(domain, uuid)
-        if name is not None:
-            self.domains[name].running = False
-            self.domains[name].reason = "it was forced off (destroyed)"
-            self.domains[name].attached.clear()  # libvirt gives live-attached devices back
+        if name is not None and self.domains[name].running:
+            self._powered_off(name, "it was forced off (destroyed)")
 
     def shutdown(self, domain: str) -> None:
         """The ACPI button: a fake guest powers off at once unless it ``ignores_acpi``."""
         self._hook("shutdown", domain)
         dom = self.domains.get(domain)
         if dom is not None and dom.running and not dom.ignores_acpi:
-            dom.running = False
-            dom.reason = "the guest powered itself off"
+            self._powered_off(domain, "the guest powered itself off")
 
     def undefine(self, domain: str, uuid: str | None = None) -> None:
+        """As libvirt: a running guest runs on without a definition until it is off."""
         self._hook("undefine", domain)
         name = self._named(domain, uuid)
-        if name is not None:
-            self.domains.pop(name)
+        if name is None:
+            return
+        if self.domains[name].running:
+            self.domains[name].persistent, self.domains[name].next_xml = False, None
+        else:
+            del self.domains[name]
 
     def running(self, domain: str) -> bool:
+        self._hook("running", domain)
         return domain in self.domains and self.domains[domain].running
 
     def stop_reason(self, domain: str) -> str:
-        return self._get(domain).reason
+        """Never raises, as ``LibvirtHypervisor``'s: it words an error already being raised."""
+        dom = self.domains.get(domain)
+        return dom.reason if dom is not None else f"its state cannot be read: no domain {domain!r}"
 
     def every_domain(self) -> list[Stored]:
         self._hook("every_domain", "")
@@ -109,8 +159,13 @@ class FakeHypervisor:
         ]
 
     def list(self, prefix: str) -> list[Stored]:
+        """Without hostdevs: only ``every_domain`` reads them (``Stored``)."""
         self._hook("list", prefix)
-        return [stored for stored in self.every_domain() if stored.domain.startswith(prefix)]
+        return [
+            replace(stored, hostdevs=())
+            for stored in self.every_domain()
+            if stored.domain.startswith(prefix)
+        ]
 
     def metadata(self, domain: str) -> Stored | None:
         self._hook("metadata", domain)
@@ -118,23 +173,31 @@ class FakeHypervisor:
         return Stored(domain, dom.data, dom.state, dom.uuid) if dom else None
 
     def definition(self, domain: str) -> str:
-        return self._get(domain).xml
+        """The persistent definition: the next one, while a guest runs on an older one."""
+        self._hook("definition", domain)
+        dom = self._get(domain)
+        return dom.next_xml if dom.next_xml is not None else dom.xml
 
     def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None:
+        """The record, state and title, in the definition too (AFFECT_LIVE | AFFECT_CONFIG)."""
         self._hook("set_metadata", domain)
         dom = self._get(domain)
         dom.data, dom.state = data, state
+        dom.change(lambda root: _set_record(root, data, state))
 
     def lease_address(self, domain: str) -> str | None:
         return self.leases.get(domain)
 
     @staticmethod
     def _hostdevs(dom: FakeDomain) -> tuple[str, ...]:
+        """What the running guest holds and what its definitions name, as libvirt's live and
+        inactive XML."""
         from vmsandbox.host.holders import hostdev_addresses
 
         found: dict[str, None] = {}
-        for xml in (dom.xml, *(f"<domain><devices>{d}</devices></domain>" for d in dom.attached)):
-            found.update(dict.fromkeys(hostdev_addresses(xml)))
+        for xml in (dom.next_xml, dom.xml):  # the inactive XML first, as libvirt is read
+            if xml is not None:
+                found.update(dict.fromkeys(hostdev_addresses(xml)))
         return tuple(found)
 
     def hostdev_holders(self) -> dict[str, str]:
@@ -146,14 +209,19 @@ class FakeHypervisor:
         return holders
 
     def attach(self, domain: str, xml: str) -> None:
+        """To the running guest and to its definition (AFFECT_LIVE | AFFECT_CONFIG): a stopped
+        and restarted domain keeps the device."""
         self._hook("attach", domain)
         dom = self._get(domain)
         if not dom.running:
             raise FailedPrecondition(f"domain {domain!r} is not running")
         dom.attached.append(xml)
+        dom.change(lambda root: _devices(root).append(etree.fromstring(xml.encode())))
 
     def detach(self, domain: str, xml: str) -> None:
-        """As libvirt 9.0: one function of a multifunction slot cannot be hot-unplugged."""
+        """From the running guest and its definition. As libvirt 9.0: one function of a
+        multifunction slot cannot be hot-unplugged; a guest that is not running, or does not
+        hold the device, is left as it is."""
         self._hook("detach", domain)
         dom = self.domains.get(domain)
         if dom is None or xml not in dom.attached:
@@ -165,9 +233,64 @@ class FakeHypervisor:
                 "unplug multifunction PCI device"
             )
         dom.attached.remove(xml)
+        dom.change(lambda root: _remove_device(root, xml))
 
     def close(self) -> None:
         """Nothing to close."""
+
+
+def _record(xml: str) -> tuple[dict[str, Any] | None, str]:
+    parsed = domain_xml.read_metadata(xml)
+    return parsed if parsed else (None, "unknown")
+
+
+def _edited(xml: str, edit: Callable[[etree._Element], None]) -> str:
+    root = etree.fromstring(xml.encode())
+    edit(root)
+    return etree.tostring(root, encoding="unicode")
+
+
+def _devices(root: etree._Element) -> etree._Element:
+    devices = root.find("devices")
+    return devices if devices is not None else etree.SubElement(root, "devices")
+
+
+def _set_record(root: etree._Element, data: dict[str, Any], state: str) -> None:
+    """Our metadata element and the title, as ``virDomainSetMetadata`` sets them."""
+    title = root.find("title")
+    if title is None:
+        title = etree.Element("title")
+        anchor = next(
+            (root.find(tag) for tag in ("uuid", "name") if root.find(tag) is not None), None
+        )
+        if anchor is not None:
+            anchor.addnext(title)
+        else:
+            root.insert(0, title)
+    title.text = str(data["name"])
+    metadata = root.find("metadata")
+    if metadata is None:
+        metadata = etree.Element("metadata")
+        title.addnext(metadata)
+    for old in metadata.findall(_SANDBOX):
+        metadata.remove(old)
+    sandbox = etree.SubElement(
+        metadata, _SANDBOX, nsmap={domain_xml.METADATA_KEY: domain_xml.METADATA_NS}
+    )
+    sandbox.set("state", state)
+    sandbox.text = json.dumps(data, sort_keys=True)  # as domain_xml.metadata_xml
+
+
+def _canonical(element: etree._Element) -> bytes:
+    return etree.tostring(element, method="c14n", exclusive=True, with_comments=False)
+
+
+def _remove_device(root: etree._Element, xml: str) -> None:
+    wanted = _canonical(etree.fromstring(xml.encode()))
+    for device in _devices(root):
+        if _canonical(device) == wanted:
+            device.getparent().remove(device)
+            return
 
 
 def _guest_slot(xml: str) -> tuple[str | None, str | None]:

@@ -200,8 +200,13 @@ class LibvirtHypervisor:
                 raise translate(exc, f"{doing} {_what(domain)}") from exc
 
     def undefine(self, domain: str, uuid: str | None = None) -> None:
+        """Remove the definition; a guest that runs goes on, transient, until it stops. One
+        already undefined has nothing left to remove (QEMU refuses to undefine it)."""
         try:
-            self._lookup(domain, uuid).undefineFlags(
+            dom = self._lookup(domain, uuid)
+            if not dom.isPersistent():
+                return
+            dom.undefineFlags(
                 libvirt.VIR_DOMAIN_UNDEFINE_NVRAM
                 | libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
                 | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
