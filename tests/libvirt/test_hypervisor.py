@@ -1,10 +1,9 @@
 """The ``Hypervisor`` contract: the promises of vm/hypervisor.py's Protocol docstring and of
 ``LibvirtHypervisor``, run against both implementations the tests use.
 
-The manager's unit tests run on ``FakeHypervisor`` (tests/framework/fake_hypervisor.py), production
-on
-``LibvirtHypervisor``. A fake that drifts from libvirt lets the manager's tests pass on
-behaviour libvirt never shows, so every promise below runs twice: on the fake, and on
+The manager's unit tests run on ``FakeHypervisor`` (tests/framework/fake_hypervisor.py),
+production on ``LibvirtHypervisor``. A fake that drifts from libvirt lets the manager's tests pass
+on behaviour libvirt never shows, so every promise below runs twice: on the fake, and on
 ``LibvirtHypervisor`` over libvirt's test driver (``test:///default``: a real libvirt connection,
 in-process, no daemon, shared by this process's connections and forgotten with the last one).
 Where the two disagreed, the fake was made to behave as libvirt does.
