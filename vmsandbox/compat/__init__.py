@@ -4,7 +4,8 @@ One module per platform, each with ``gpu_request(...) -> GpuRequest | None`` (No
 ``openshell`` (sandbox spec JSON), ``opensandbox`` (``resourceLimits``), ``flowmesh``
 (``resources.hardware.gpu``), ``tako`` (a job type's ``gpu``, and ``job_type_gpu_request`` for a
 whole job type); ``cliflags`` does the same for the CLI's ``--gpu*`` flags. Input is taken as it
-arrives on the wire (decoded JSON).
+arrives on the wire (decoded JSON), and checked by the helpers the adapters share
+(``_wire``).
 
 Each adapter reads a request as the platform's own released code does (each module names the
 package, files and commits it follows; tests/unit/compat/test_compat_platforms.py feeds the same

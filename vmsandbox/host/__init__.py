@@ -1,5 +1,14 @@
 """Host GPU inventory: GPUs by PCI address, IOMMU groups, bindability, who holds them.
 
+Modules: ``discover`` (the inventory: which GPUs the host has and whether each can go to a
+guest) and ``model`` (its result types: ``Gpu``, ``FabricDevice``, ``Inventory``), read from
+sysfs (``sysfs``: PCI functions, their IOMMU groups, drivers and reset methods; ``bars``: their
+memory BARs; ``numa``: which host CPUs each NUMA node has) with names and memory from NVML
+(``nvml``, optional) or a built-in table and the system's ``pci.ids`` (``pci_ids``); PCI
+addresses in one grammar (``bdf``); who holds a GPU: host processes with its device nodes open
+(``processes``) and libvirt domains with it in a ``<hostdev>`` (``holders``); the text table of
+``vmsandbox gpus`` (``table``). ``python -m vmsandbox.host`` prints the inventory as JSON.
+
 ``libvirt_hostdev_holders`` is loaded on first use so that discovery alone does not pay for
 importing libvirt.
 

@@ -1,6 +1,9 @@
 """The compatibility facts, as data: per platform, each GPU field, what the platform does with
 it and what vmsandbox does, with examples.
 
+One module per platform, each with its ``ROWS``: ``openshell``, ``opensandbox``, ``tako`` and
+``flowmesh``; ``model`` is the shape of a row (``Row``, ``Example``).
+
 docs/gen_compat.py writes docs/compatibility.md from this table, and
 tests/unit/compat/test_compat_platforms.py runs every example through the platform's own released
 code and through the adapter, so each example on the page reads as both sides really answer it. A
