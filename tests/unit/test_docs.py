@@ -40,13 +40,16 @@ import gen_performance  # noqa: E402
 
 
 def nav_pages() -> list[str]:
-    """The Markdown files the site's nav names, in order (mkdocs.yml's ``nav:`` block)."""
+    """The Markdown files the site's nav names, in order (mkdocs.yml's ``nav:`` block: pages,
+    and sections of pages, ``- Use:``, whose pages are indented below them)."""
     lines = (REPO / "mkdocs.yml").read_text().splitlines()
     start = lines.index("nav:")
     pages = []
     for line in lines[start + 1 :]:
         if not line.startswith(" "):
             break
+        if re.fullmatch(r"  - [^:]+:", line):
+            continue  # a section
         match = re.match(r"\s+- [^:]+: (\S+\.md)$", line)
         assert match, f"mkdocs.yml nav line not understood: {line!r}"
         pages.append(match.group(1))
