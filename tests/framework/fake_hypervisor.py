@@ -2,7 +2,7 @@
 running flag; failures are injected per operation. The end-to-end tests use the real libvirtd.
 
 It keeps libvirt's semantics where the manager could tell the difference, and
-tests/test_hypervisor_contract.py holds it to them: the same promises run against it and against
+tests/libvirt/test_hypervisor.py holds it to them: the same promises run against it and against
 ``LibvirtHypervisor`` on libvirt's test driver."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the host: the guest's parser takes only ``claim NAME`` and ``hostname NAME`` wit
 and runs no program, and a claim is refused while sshd does not run; its answers and its writes
 go to a root folder of the test's own; the host's client talks to the guest's real request loop
 over a socket pair standing in for the virtio port.
-Its run in a real guest (the claim of a pooled guest) is covered by test_pool.py."""
+Its run in a real guest (the claim of a pooled guest) is covered by tests/e2e/test_pool.py."""
 
 from __future__ import annotations
 
