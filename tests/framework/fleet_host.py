@@ -78,9 +78,9 @@ class InstantReadiness(Readiness):
     """Guests that are ready as soon as they start."""
 
     def become_ready(self, name: str, uuid: str, *, wait: bool = True) -> None:
-        with self._manager() as manager:
-            record, _state = manager.store.get(name)
-            manager.store.put(record, STATE_READY)
+        with self._manager() as manager, manager.locked("ready"):
+            found = manager.store.require(name, uuid)
+            manager.store.commit(found, lambda record: record, STATE_READY)
 
 
 class FakeGuests(ComputeDriver):

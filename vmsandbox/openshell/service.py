@@ -141,7 +141,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
         snap = snapshot(
             sandbox,
             guest,
-            launch_failure=self.launches.failure(sandbox.domain),
+            launch_failure=self.launches.failure(sandbox.uuid),
             network=self.config.network,
         )
         return self.transitions.stamp(snap)
@@ -273,7 +273,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
                         with contextlib.suppress(VmSandboxError):
                             manager.destroy(sandbox.name, uuid=sandbox.uuid)
                         raise
-                self.launches.hold(sandbox.domain, credentials)
+                self.launches.hold(sandbox.uuid, credentials)
             log.info("sandbox %s (%s) started", wanted.name, request.sandbox.id)
             self.readiness.become_ready(sandbox.name, sandbox.uuid)
             return str(RuntimeIdentity.of(sandbox))
@@ -321,7 +321,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
                     if request.launch_authentication
                     else None
                 )
-                self.launches.restart(found.domain, credentials)
+                self.launches.restart(found.uuid, credentials)
                 started = manager.start(found.name, wait=False, uuid=found.uuid)
                 if generation and generation != started.generation:
                     started = manager.set_generation(found.name, generation, uuid=found.uuid)
@@ -344,7 +344,7 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
                 except NotFound:
                     return False
             self.transitions.forget(found.domain)
-            self.launches.forget(found.domain)
+            self.launches.forget(found.uuid)
             log.info("sandbox %s deleted", found.name)
             return True
 

@@ -36,26 +36,27 @@ class GatewayTunnels:
         self._running: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
 
-    def ensure(self, name: str) -> None:
-        """Keep a tunnel into sandbox ``name`` (it ends when the sandbox stops or is gone)."""
+    def ensure(self, name: str, uuid: str) -> None:
+        """Keep a tunnel into sandbox ``name`` of domain UUID ``uuid`` (it ends when that
+        sandbox stops or is gone: a later sandbox of the name is never tunnelled into)."""
         with self._lock:
-            if name in self._running:
+            if uuid in self._running:
                 return
             stop = threading.Event()
-            self._running[name] = stop
-        threading.Thread(target=self._hold, args=(name, stop), daemon=True).start()
+            self._running[uuid] = stop
+        threading.Thread(target=self._hold, args=(name, uuid, stop), daemon=True).start()
 
     def close(self) -> None:
         with self._lock:
             for stop in self._running.values():
                 stop.set()
 
-    def _hold(self, name: str, stop: threading.Event) -> None:
+    def _hold(self, name: str, uuid: str, stop: threading.Event) -> None:
         try:
             while not stop.is_set():
                 try:
                     with self._managers() as manager:
-                        sandbox = manager.get(name)
+                        sandbox = manager.get(name, uuid=uuid)
                         if sandbox.state == "stopped" or sandbox.ssh is None:
                             return
                         client = connect(sandbox.ssh, manager.keys_of(sandbox))
@@ -72,7 +73,7 @@ class GatewayTunnels:
                     stop.wait(_RETRY_SECONDS)
         finally:
             with self._lock:
-                self._running.pop(name, None)
+                self._running.pop(uuid, None)
 
     def _forward(self, name: str, client: paramiko.SSHClient, stop: threading.Event) -> None:
         """Hold the remote forward on ``client`` until its session ends or we stop."""

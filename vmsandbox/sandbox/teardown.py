@@ -25,7 +25,7 @@ from dataclasses import replace
 from vmsandbox.errors import FailedPrecondition, NotFound, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.sandbox.create import Remains
-from vmsandbox.sandbox.holds import Hold, Holds, own
+from vmsandbox.sandbox.holds import TEARDOWNS, Hold, Holds, own
 from vmsandbox.sandbox.record import SandboxFiles, SandboxRecord
 from vmsandbox.sandbox.store import Found, SandboxStore
 from vmsandbox.validate import validate_name
@@ -33,7 +33,6 @@ from vmsandbox.vm.process import Ownership
 
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
 _POLL_S = 0.2
-TEARDOWNS = ("destroy", "reconcile")  # what a hold's owner does when it takes a sandbox apart
 
 
 class _NotYet(Exception):

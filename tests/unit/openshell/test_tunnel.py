@@ -1,0 +1,59 @@
+"""The gateway tunnels: one SSH remote forward per sandbox, kept by the sandbox's domain UUID,
+so a tunnel asked for a sandbox that is gone never reaches a later sandbox of its name. On the
+fake hypervisor; the SSH connection is a stand-in."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from framework.fake_hypervisor import FakeHypervisor, unit_config
+
+from vmsandbox.config import Config
+from vmsandbox.openshell import tunnel
+from vmsandbox.openshell.tunnel import GatewayTunnels
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.spec import SandboxSpec
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Config:
+    return unit_config(tmp_path)
+
+
+@pytest.fixture
+def manager(config: Config) -> Iterator[SandboxManager]:
+    hv = FakeHypervisor()
+    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
+        yield mgr
+
+
+def spec(tenant: str) -> SandboxSpec:
+    return SandboxSpec(
+        name="web", image="tiny", memory_mib=256, disk_gib=1, labels={"tenant": tenant}
+    )
+
+
+def test_a_tunnel_for_a_sandbox_that_is_gone_never_reaches_its_namesake(
+    manager: SandboxManager, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uuid_a = manager.create(spec("a"), wait=False).uuid
+    manager.destroy("web")
+    manager.create(spec("b"), wait=False)
+    dialled: list[Any] = []
+
+    def connect(endpoint: Any, keys: Any) -> None:
+        dialled.append(endpoint)
+        raise AssertionError("the tunnel dialled a sandbox")
+
+    monkeypatch.setattr(tunnel, "connect", connect)
+    tunnels = GatewayTunnels(lambda: SandboxManager(config, hypervisor=manager.hypervisor), 9)
+    tunnels.ensure("web", uuid_a)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and thread.daemon:
+            thread.join(timeout=5)
+    assert dialled == []
+    tunnels.close()
