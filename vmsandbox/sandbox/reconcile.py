@@ -21,8 +21,10 @@ Left over, and taken apart (teardown.finish, slow parts outside the lock):
 Also under the lock: a settled reservation whose domain is gone (removed by something else
 than vmsandbox) is dropped; a sandbox made before reservations existed gets one; tombstones of
 domains no longer listed are forgotten. Last, the fabric ledger: a Fabric Manager partition
-leased to a UUID that is neither a domain nor a reservation is deactivated. Fabric Manager
-unreachable is a problem reported, not an error: the leases stay for the next reconcile.
+leased to a UUID that is neither a domain nor a reservation is deactivated, decided from the
+ledger and the reservations read in one hold of the lock (a create reserves before it
+leases), and deactivated after it (gpu/fabric/lease.py). Fabric Manager unreachable is a
+problem reported, not an error: the leases stay for the next reconcile.
 """
 
 from __future__ import annotations
@@ -195,13 +197,17 @@ def _backfill(config: Config, record: SandboxRecord, stored: Stored) -> Hold:
 def _fabric(config: Config, view: HostView, lock: Lock, report: Report) -> None:
     """Deactivate partitions leased to a UUID that is neither a domain nor a reservation."""
     fabric = FabricLease(config)
-    with lock():  # fresh: the view still lists the domains taken apart above (tombstones)
+    # Reservations and ledger read in one hold (fresh: the view still lists the domains taken
+    # apart above, tombstones say which): a lease the reservations do not explain is not one
+    # a create wrote since, since a create reserves before it leases.
+    with lock():
         holds = Holds(config)
         reserved, gone = holds.all(), holds.gone()
-    live = ({stored.uuid for stored in view.domains} - gone) | set(reserved)
-    names = {s.domain.removeprefix(DOMAIN_PREFIX) for s in view.domains}
-    names |= {hold.stem for hold in reserved.values()}
-    report.problems += fabric.reconcile(live, names)
+        live = ({stored.uuid for stored in view.domains} - gone) | set(reserved)
+        names = {s.domain.removeprefix(DOMAIN_PREFIX) for s in view.domains}
+        names |= {hold.stem for hold in reserved.values()}
+        orphans = fabric.orphans(live, names)
+    report.problems += fabric.release_orphans(orphans)
 
 
 def names_on_disk(config: Config) -> set[str]:
