@@ -134,6 +134,11 @@ class Holds:
     def get(self, uuid: str) -> Hold | None:
         return self.all().get(uuid) if uuid else None
 
+    def others_named(self, uuid: str, stem: str) -> list[Hold]:
+        """The holds other than ``uuid``'s that reserve the name ``stem`` (files of that name
+        are theirs then, never ``uuid``'s to remove)."""
+        return [h for h in self.all().values() if h.uuid != uuid and stem in (h.name, h.stem)]
+
     def put(self, hold: Hold) -> Hold:
         """Write ``hold`` (atomically: readers see the old one or the new one)."""
         self._check_locked(f"writing the reservation of sandbox {hold.name!r}")

@@ -153,7 +153,9 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
     partition that could not be released keeps its lease (reconcile's fabric pass releases
     it); anything else left keeps the hold, for reconcile. FAILED_PRECONDITION naming what is
     left. ``fabric_too`` False leaves the partition to the caller (reconcile's fabric pass,
-    which releases every lease whose sandbox is gone)."""
+    which releases every lease whose sandbox is gone). The files of the name are removed only
+    while this teardown owns the hold of ``remains.uuid`` and no other hold reserves the name
+    (``_remove_files``)."""
     failures: list[str] = []
     hypervisor = remains.hypervisor
     _collect(lambda: hypervisor.stop(remains.domain, uuid=remains.uuid), failures)
@@ -165,7 +167,7 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
             for step in (
                 lambda: hypervisor.stop(remains.domain, uuid=remains.uuid),
                 lambda: hypervisor.undefine(remains.domain, uuid=remains.uuid),
-                remains.files.remove,
+                lambda: _remove_files(remains),
             ):
                 _collect(step, failures)
             if not failures and remains.mine() is not None:
@@ -177,6 +179,14 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
             f"sandbox {remains.name!r} was not removed completely: " + "; ".join(failures + fabric),
             details={"remaining": [str(path) for path in remains.files.existing()]},
         )
+
+
+def _remove_files(remains: Remains) -> None:
+    """Under the lock: the files of the name, while they are this teardown's (its hold by
+    UUID owned, the name reserved by no other hold: else they are another sandbox's)."""
+    if remains.mine() is None or remains.holds.others_named(remains.uuid, remains.files.name):
+        return
+    remains.files.remove()
 
 
 def _collect(step: Callable[[], object], failures: list[str]) -> None:

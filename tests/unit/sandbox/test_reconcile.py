@@ -20,6 +20,7 @@ from vmsandbox.lock import host_lock
 from vmsandbox.sandbox.holds import Hold, Holds, owners_folder
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.reconcile import reconcile
+from vmsandbox.sandbox.record import SandboxFiles
 from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.vm.process import Ownership
 
@@ -80,6 +81,79 @@ def between(config: Config, after: int, act: Callable[[], None]) -> Callable[[],
             act()
 
     return lock
+
+
+def before(config: Config, act: Callable[[], None]) -> Callable[[], object]:
+    """The host lock, with ``act`` run once right before reconcile's first hold of it: what
+    changed between its reading of the view and its turn at the lock."""
+    acted = False
+
+    @contextlib.contextmanager
+    def lock() -> Iterator[None]:
+        nonlocal acted
+        if not acted:
+            acted = True
+            act()
+        with host_lock(config.lock_path, config.lock_timeout, "reconcile"):
+            yield
+
+    return lock
+
+
+def test_a_legacy_domain_gone_before_reconciles_turn_is_not_taken_apart(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    """Legacy sandbox A "web" (made before reservations) is in reconcile's view; before its
+    turn at the lock, A's domain is removed outside vmsandbox and a create of B "web" has
+    reserved the name and written its keys. Reconcile must not give A a reservation nor take
+    "A" apart: that removed the files of the name, B's keys."""
+    a = manager.create(spec("web"), start=False)
+    with manager.locked():
+        Holds(config).drop(a.uuid, tombstone=False)  # as before reservations existed
+    files = SandboxFiles.of(config, "web")
+    creator = Ownership(owners_folder(config))
+
+    def a_gone_and_b_reserved() -> None:
+        hv.undefine("vmsbx-web", uuid=a.uuid)
+        files.remove()
+        with manager.locked():
+            hold = Hold(NEW_UUID, "web", "web", owner=creator.identity, doing="create")
+            Holds(config).put(hold)
+        files.keys_dir.mkdir(mode=0o700)
+        (files.keys_dir / "id_ed25519").write_text("B's key")
+
+    try:
+        report = reconcile(hv, config, before(config, a_gone_and_b_reserved))
+        holds = Holds(config).all()
+    finally:
+        creator.end()
+    assert (files.keys_dir / "id_ed25519").read_text() == "B's key"
+    assert report.removed == [] and set(holds) == {NEW_UUID}
+
+
+def test_a_teardown_removes_files_only_while_no_other_reservation_has_their_name(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    """The last guard of teardown.finish: the files of a name are removed under the hold that
+    reserves it, never while another reservation (a new create's) claims that name."""
+    from vmsandbox.sandbox.create import Remains
+    from vmsandbox.sandbox.teardown import finish
+
+    files = SandboxFiles.of(config, "web")
+    teardown, creator = Ownership(owners_folder(config)), Ownership(owners_folder(config))
+    stale = "6c1c7d7e-1111-4a4a-8b8b-000000000001"
+    try:
+        with manager.locked():
+            holds = Holds(config)
+            holds.put(Hold(stale, "web", "web", owner=teardown.identity, doing="reconcile"))
+            holds.put(Hold(NEW_UUID, "web", "web", owner=creator.identity, doing="create"))
+        files.keys_dir.mkdir(mode=0o700, parents=True)
+        (files.keys_dir / "id_ed25519").write_text("B's key")
+        finish(Remains(hv, config, "web", files, None, stale, teardown), manager.locked)
+    finally:
+        teardown.end()
+        creator.end()
+    assert (files.keys_dir / "id_ed25519").read_text() == "B's key"
 
 
 def test_a_lease_written_while_reconcile_looks_is_never_taken_for_an_orphan(
