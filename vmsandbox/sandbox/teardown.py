@@ -142,9 +142,19 @@ def _unclaimed(hold: Hold | None, found: Found | None) -> bool:
 
 
 def _hold_of(record: SandboxRecord | None, uuid: str) -> Hold:
-    """A hold for a sandbox made before holds existed (read from its record)."""
+    """A hold for a sandbox made before holds existed, read from its record with everything
+    it holds: once a hold names its UUID, the allocation counts its domain's GPUs and
+    partition from the hold alone, and they must not look free until the domain is gone."""
     assert record is not None
-    return Hold(uuid=uuid, name=record.name, stem=record.stem, port=record.ssh.port)
+    functions = [bdf for gpu in record.gpus for bdf in (gpu.bdf, *gpu.companions)]
+    return Hold(
+        uuid=uuid,
+        name=record.name,
+        stem=record.stem,
+        gpus=tuple(functions + list(record.switches)),
+        port=record.ssh.port,
+        partition=record.fabric_partition,
+    )
 
 
 def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
