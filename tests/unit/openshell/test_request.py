@@ -159,3 +159,13 @@ def test_bad_environment_and_resources_name_their_field():
     with pytest.raises(InvalidArgument) as caught:
         translate(_sandbox(template=bad_cpu), IMAGES)
     assert caught.value.details["field"] == "template.resources.cpu_request"
+
+
+@pytest.mark.parametrize("word", ["true\nUser=root", "a\rb", "x\x00y", "\x0bz"])
+def test_a_command_word_with_a_line_break_never_reaches_the_unit(word: str):
+    """The main unit is written line by line: a word with a newline would end ExecStart and
+    let the request write directives of its own (User=root overriding the workload
+    identity)."""
+    with pytest.raises(InvalidArgument, match="command") as caught:
+        translate(_sandbox(command=["sh", "-c", word]), IMAGES)
+    assert caught.value.details["field"] == "command"
