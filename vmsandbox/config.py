@@ -3,9 +3,9 @@
 File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Environment variables
 override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
 ``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
-``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_GPU_FIRMWARE``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS``
-(comma-separated), ``VMSANDBOX_GUEST_OUTBOUND``, ``VMSANDBOX_GUEST_BLOCKED_NETWORKS``
-(comma-separated), ``VMSANDBOX_REQUIRE_GPU_RESET``,
+``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_GPU_FIRMWARE``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS`` and
+``VMSANDBOX_OPENSHELL_DELEGATE_UIDS`` (comma-separated), ``VMSANDBOX_GUEST_OUTBOUND``,
+``VMSANDBOX_GUEST_BLOCKED_NETWORKS`` (comma-separated), ``VMSANDBOX_REQUIRE_GPU_RESET``,
 ``VMSANDBOX_LOCK_TIMEOUT``, and for NVSwitch boards ``VMSANDBOX_FMPM``,
 ``VMSANDBOX_FMPM_TIMEOUT``, ``VMSANDBOX_FM_UNIX_SOCKET``, ``VMSANDBOX_FM_HOSTNAME``,
 ``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``, ``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
@@ -40,6 +40,7 @@ _ENV = {
     "network": "VMSANDBOX_NETWORK",
     "boot_timeout": "VMSANDBOX_BOOT_TIMEOUT",
     "openshell_allowed_uids": "VMSANDBOX_OPENSHELL_ALLOWED_UIDS",
+    "openshell_delegate_uids": "VMSANDBOX_OPENSHELL_DELEGATE_UIDS",
     "guest_outbound": "VMSANDBOX_GUEST_OUTBOUND",
     "guest_blocked_networks": "VMSANDBOX_GUEST_BLOCKED_NETWORKS",
     "require_gpu_reset": "VMSANDBOX_REQUIRE_GPU_RESET",
@@ -108,8 +109,12 @@ class Config:
     gpu_firmware: str = "auto"
     ovmf_code: Path = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
     ovmf_vars: Path = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
-    # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver socket.
+    # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver
+    # socket, each one gateway (openshell/caller.py: a gateway sees and acts on its own only).
     openshell_allowed_uids: tuple[int, ...] = ()
+    # uids trusted to speak for gateways they name in each call (a fleet agent), each named
+    # gateway an owner of its own; they may use the socket too.
+    openshell_delegate_uids: tuple[int, ...] = ()
     # The OpenShell supervisor (openshell-sandbox binary) every driver-made sandbox runs, the
     # gateway endpoint it dials (on this host's loopback) and, for https, the TLS files it gets.
     openshell_supervisor: str = ""

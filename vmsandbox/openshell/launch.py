@@ -280,12 +280,12 @@ class Launches:
     """Per sandbox, by its domain UUID (a later sandbox of the same name is another one): the
     credentials not yet in the guest and the last launch failure.
 
-    ``manager`` makes a SandboxManager; ``changed(name)`` tells the watchers that a sandbox's
-    snapshot changed (``events.EventSource.changed``).
+    ``manager`` makes a SandboxManager; ``changed(name, uuid)`` tells the watchers that a
+    sandbox's snapshot changed (``events.EventSource.changed``).
     """
 
     def __init__(
-        self, manager: Callable[[], SandboxManager], changed: Callable[[str], None]
+        self, manager: Callable[[], SandboxManager], changed: Callable[[str, str], None]
     ) -> None:
         self._manager = manager
         self._changed = changed
@@ -343,9 +343,9 @@ class Launches:
         except VmSandboxError as exc:
             with self._lock:
                 self._failures[uuid] = f"{exc.code}: {exc.message}"
-            self._changed(sandbox.domain.removeprefix(DOMAIN_PREFIX))
+            self._changed(sandbox.domain.removeprefix(DOMAIN_PREFIX), uuid)
             raise
         with self._lock:
             self._failures.pop(uuid, None)
         log.info("sandbox %s launched as uid %d gid %d", name, resolved.uid, resolved.gid)
-        self._changed(sandbox.domain.removeprefix(DOMAIN_PREFIX))
+        self._changed(sandbox.domain.removeprefix(DOMAIN_PREFIX), uuid)

@@ -102,10 +102,11 @@ class SandboxStore:
             None,
         )
 
-    def by_domain(self, domain: str) -> Found | None:
-        """The sandbox whose domain is ``domain`` (a claimed guest's keeps the guest's name);
-        None when that domain is gone or is not a sandbox."""
-        stored = self.hypervisor.metadata(domain)
+    def by_domain(self, domain: str, uuid: str | None = None) -> Found | None:
+        """The sandbox whose domain is ``domain`` (a claimed guest's keeps the guest's name;
+        with ``uuid``, the domain of that UUID); None when that domain is gone or is not a
+        sandbox."""
+        stored = self.hypervisor.metadata(domain, uuid=uuid)
         if stored is None or (record := self._record(stored)) is None:
             return None
         return Found(record, stored.state, stored.uuid)
@@ -172,12 +173,16 @@ class SandboxStore:
         self.put(record, now, found.uuid)
         return Found(record, now, found.uuid)
 
-    def holder(self, secret: str) -> Sandbox | None:
-        """The sandbox whose recorded credential ``secret`` matches (credential.py, each record
-        compared in constant time); None when none does."""
+    def holder(
+        self, secret: str, among: Callable[[Sandbox], bool] = lambda _sandbox: True
+    ) -> Sandbox | None:
+        """The sandbox of those ``among`` accepts whose recorded credential ``secret`` matches
+        (credential.py, each record compared in constant time); None when none does."""
         for f in self.found():
             if f.record.credential and credential.matches(secret, f.record.credential):
-                return self.view(f.record, f.state, f.uuid)
+                shown = self.view(f.record, f.state, f.uuid)
+                if among(shown):
+                    return shown
         return None
 
     def with_address(self, record: SandboxRecord, state: str, uuid: str = "") -> SandboxRecord:

@@ -51,9 +51,9 @@ def test_a_tunnel_for_a_sandbox_that_is_gone_never_reaches_its_namesake(
 
     monkeypatch.setattr(tunnel, "connect", connect)
     tunnels = GatewayTunnels(lambda: SandboxManager(config, hypervisor=manager.hypervisor), 9)
+    before = set(threading.enumerate())
     tunnels.ensure("web", uuid_a)
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and thread.daemon:
-            thread.join(timeout=5)
+    for thread in set(threading.enumerate()) - before:
+        thread.join(timeout=30)
     assert dialled == []
     tunnels.close()

@@ -100,6 +100,7 @@ def _claim(c: create.Creation) -> None:
         guest=record.stem,
         labels=dict(c.spec.labels),
         credential=c.spec.credential,
+        owner=c.spec.owner,
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         creator=c.owner.identity,
         gpus=tuple(GpuRecord.of(gpu) for gpu in c.gpus),
