@@ -15,7 +15,8 @@ last changed), ``snapshots`` (reading them: each guest's state, its launch failu
 domain UUID), ``caller`` (who calls: each gateway an identity its RPCs are scoped to),
 ``service`` (the RPCs), ``supervisor`` (the optional openshell-sandbox in every guest),
 ``tunnel`` (its SSH way back to the gateway), ``socket`` (the socket, its modes and the peer
-check), ``splice`` (the two-way copy both relay through), ``hostinfo`` (the HostInfo service
+check), ``dial`` (a client's way to the socket, only to a server of a trusted uid),
+``splice`` (the two-way copy the relays go through), ``hostinfo`` (the HostInfo service
 beside the driver, for the fleet agent), ``metrics`` (the host's Prometheus metrics),
 ``server`` (serving until SIGTERM).
 
