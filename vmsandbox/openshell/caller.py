@@ -5,7 +5,8 @@ peer's uid (SO_PEERCRED) and tells the service (``socket.Peers``). That uid is t
 each uid the operator lets in (``openshell_allowed_uids``, and the server's own) is one
 gateway. A uid of ``openshell_delegate_uids`` is trusted to speak for gateways it names in each
 call's metadata (GATEWAY_METADATA: a fleet agent calls for every gateway of its fleet over one
-socket), and each gateway it names is an owner of its own; any other uid that names a gateway
+socket), and each gateway it names is an owner of its own; so is the server's own uid, which
+holds every sandbox anyway (the state directory, libvirt). Any other uid that names a gateway
 is PERMISSION_DENIED. A connection the gate did not relay has no caller: UNAUTHENTICATED.
 
 The caller's identity, ``Caller.owner`` (``uid:1000``, or ``uid:1001/gw-a`` for a gateway a
@@ -95,11 +96,12 @@ def check_gateway(name: str) -> str:
 
 class Callers:
     """Who each RPC's peer is: ``peer_uid`` maps gRPC's peer address to the uid the gate saw
-    (``socket.Peers.uid_of``); ``delegates`` are the uids trusted to name gateways."""
+    (``socket.Peers.uid_of``); ``delegates`` are the uids trusted to name gateways, the
+    server's own besides."""
 
     def __init__(self, peer_uid: Callable[[str], int | None], delegates: Iterable[int]) -> None:
         self._peer_uid = peer_uid
-        self.delegates = frozenset(delegates)
+        self.delegates = frozenset(delegates) | {os.geteuid()}
 
     def identify(self, context: Any) -> Caller:
         """The caller of the RPC of ``context`` (a grpc.ServicerContext); UNAUTHENTICATED for

@@ -149,10 +149,17 @@ def test_a_delegate_speaks_for_each_gateway_it_names_apart(
 
 
 def test_only_a_delegate_may_name_a_gateway(socket_path: Path) -> None:
+    """The delegates of the config, and the server's own uid (which holds every sandbox
+    anyway: a fleet agent running as root beside a root driver)."""
     answers = as_uid(OTHER, socket_path, [["ListSandboxes", {}]], gateway="gw-a")
     assert answers[0]["code"] == "PERMISSION_DENIED"
     bad = as_uid(AGENT, socket_path, [["ListSandboxes", {}]], gateway="no spaces")
     assert bad[0]["code"] == "INVALID_ARGUMENT"
+    (made,) = as_uid(ROOT, socket_path, [create("z", "fleet-z")], gateway="gw-z")
+    assert made["code"] == "OK"
+    (own,) = as_uid(ROOT, socket_path, [["ListSandboxes", {}]])
+    (named,) = as_uid(ROOT, socket_path, [["ListSandboxes", {}]], gateway="gw-z")
+    assert ids(own) == set() and ids(named) == {"z"}
 
 
 def test_hostinfo_names_only_the_callers_sandboxes(socket_path: Path) -> None:
