@@ -3,8 +3,9 @@
 File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Environment variables
 override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
 ``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
-``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_GPU_FIRMWARE``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS``
-(comma-separated), ``VMSANDBOX_GUEST_OUTBOUND``, ``VMSANDBOX_REQUIRE_GPU_RESET``,
+``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_GPU_FIRMWARE``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS`` and
+``VMSANDBOX_OPENSHELL_DELEGATE_UIDS`` (comma-separated), ``VMSANDBOX_GUEST_OUTBOUND``,
+``VMSANDBOX_GUEST_BLOCKED_NETWORKS`` (comma-separated), ``VMSANDBOX_REQUIRE_GPU_RESET``,
 ``VMSANDBOX_LOCK_TIMEOUT``, and for NVSwitch boards ``VMSANDBOX_FMPM``,
 ``VMSANDBOX_FMPM_TIMEOUT``, ``VMSANDBOX_FM_UNIX_SOCKET``, ``VMSANDBOX_FM_HOSTNAME``,
 ``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``, ``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
@@ -12,6 +13,7 @@ override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IM
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, fields, replace
@@ -38,7 +40,9 @@ _ENV = {
     "network": "VMSANDBOX_NETWORK",
     "boot_timeout": "VMSANDBOX_BOOT_TIMEOUT",
     "openshell_allowed_uids": "VMSANDBOX_OPENSHELL_ALLOWED_UIDS",
+    "openshell_delegate_uids": "VMSANDBOX_OPENSHELL_DELEGATE_UIDS",
     "guest_outbound": "VMSANDBOX_GUEST_OUTBOUND",
+    "guest_blocked_networks": "VMSANDBOX_GUEST_BLOCKED_NETWORKS",
     "require_gpu_reset": "VMSANDBOX_REQUIRE_GPU_RESET",
     "lock_timeout": "VMSANDBOX_LOCK_TIMEOUT",
     "fmpm": "VMSANDBOX_FMPM",
@@ -53,6 +57,19 @@ _ENV = {
 }
 _POOL_KEYS = ("image", "cpus", "memory_mib", "disk_gib", "count", "gpus")
 _PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config")
+# What guests with outbound network never reach by default (vm/netguard.py): the private
+# ranges (RFC 1918), shared address space (RFC 6598: carrier NAT, overlay networks such as
+# Tailscale's), link-local (cloud metadata services at 169.254.169.254) and IPv6 unique-local
+# and link-local, where a fleet's Ray head and nodes, metrics and Fabric Manager live.
+BLOCKED_NETWORKS = (
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "169.254.0.0/16",
+    "fc00::/7",
+    "fe80::/10",
+)
 
 
 @dataclass(frozen=True)
@@ -69,8 +86,10 @@ class Config:
     # Any other value names a libvirt network; the guest address comes from its DHCP lease.
     network: str = "user"
     # With "user" networking: whether the guest may open connections to the outside world
-    # (never to this host's own addresses: vm/netguard.py).
+    # (never to this host's own addresses, nor to ``guest_blocked_networks``: vm/netguard.py).
     guest_outbound: bool = False
+    # Networks (CIDR) such guests must not reach either: the fleet's and the site's own.
+    guest_blocked_networks: tuple[str, ...] = BLOCKED_NETWORKS
     ssh_user: str = "sandbox"
     boot_timeout: float = 300.0  # seconds for a guest without GPUs to answer SSH
     max_cpus: int = 8
@@ -90,8 +109,12 @@ class Config:
     gpu_firmware: str = "auto"
     ovmf_code: Path = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
     ovmf_vars: Path = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
-    # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver socket.
+    # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver
+    # socket, each one gateway (openshell/caller.py: a gateway sees and acts on its own only).
     openshell_allowed_uids: tuple[int, ...] = ()
+    # uids trusted to speak for gateways they name in each call (a fleet agent), each named
+    # gateway an owner of its own; they may use the socket too.
+    openshell_delegate_uids: tuple[int, ...] = ()
     # The OpenShell supervisor (openshell-sandbox binary) every driver-made sandbox runs, the
     # gateway endpoint it dials (on this host's loopback) and, for https, the TLS files it gets.
     openshell_supervisor: str = ""
@@ -167,6 +190,13 @@ def _uids(raw: Any) -> tuple[int, ...]:
     return uids
 
 
+def _networks(raw: Any) -> tuple[str, ...]:
+    """A list of networks in CIDR notation (a TOML list, or a comma-separated string), each
+    written as its network (host bits cleared)."""
+    items = raw if isinstance(raw, list | tuple) else [p for p in str(raw).split(",") if p]
+    return tuple(str(ipaddress.ip_network(str(item).strip(), strict=False)) for item in items)
+
+
 def _labels(raw: Any) -> tuple[tuple[str, str], ...]:
     """A table of label keys to values, all strings (a TOML table), as sorted pairs."""
     if not isinstance(raw, dict) or not all(
@@ -193,6 +223,9 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
                 continue
             if key == "openshell_required_labels":
                 changes[key] = _labels(raw)
+                continue
+            if key == "guest_blocked_networks":
+                changes[key] = _networks(raw)
                 continue
             if isinstance(default, tuple):
                 value = _uids(raw)

@@ -322,7 +322,7 @@ def _start(c: Creation) -> None:
     netguard.before_start(c.config)
     for attempt in range(1, PORT_TRIES + 1):
         try:
-            c.hypervisor.start(c.domain)
+            c.hypervisor.start(c.domain, uuid=c.uuid)
             control.restrict(c.files.control)
             return
         except FailedPrecondition as exc:
@@ -350,7 +350,7 @@ def _wait(c: Creation) -> None:
         return
     assert c.record is not None  # made by the define step
     timeout = c.timeout or boot.boot_timeout(c.config.boot_timeout, c.spec.memory_mib, len(c.gpus))
-    watch = boot.BootWatch(c.hypervisor, c.name, c.domain, c.files, c.image.reports_sshd)
+    watch = boot.BootWatch(c.hypervisor, c.name, c.domain, c.files, c.image.reports_sshd, c.uuid)
     ssh_record = c.record.ssh
     c.endpoint = boot.endpoint(watch, ssh_record, timeout=timeout)
     if ssh_record.port is None:  # the DHCP address is kept in the record: get/exec/ssh use it
@@ -380,7 +380,7 @@ def _mark(c: Creation) -> None:
     assert c.record is not None  # made by the define step
     hold = c.own()
     c.state = STATE_READY if c.wait and c.start else STATE_STARTED if c.start else STATE_DEFINED
-    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state, uuid=c.uuid)
     c.holds.put(settled(hold))
 
 

@@ -35,6 +35,7 @@ class Sandbox:
     stage_seconds: dict[str, float] | None = None
     failure: dict[str, str] | None = None  # state failed: {code, message} of why (power.wait)
     generation: str | None = None  # the OpenShell gateway's last start generation (record.py)
+    owner: str | None = None  # who asked for it through the OpenShell driver (record.py)
     # The domain's UUID: the sandbox's identity (its name is a label that can be used again).
     uuid: str = ""
     local: bool = True  # made with this manager's state directory
@@ -62,6 +63,7 @@ class Sandbox:
             verification=record.verification,
             failure=record.failure,
             generation=record.generation,
+            owner=record.owner,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -35,6 +35,8 @@ from vmsandbox.lock import held
 from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.process import Ownership, ProcessIdentity
 
+TEARDOWNS = ("destroy", "reconcile")  # what a hold's owner does when it takes a sandbox apart
+
 
 @dataclass(frozen=True)
 class Hold:
@@ -68,6 +70,12 @@ class Hold:
     def left_over(self) -> bool:
         """Whether a transition was at work on it and is gone: reconcile's to take apart."""
         return self.owner is not None and not self.owner.alive()
+
+    @property
+    def being_removed(self) -> bool:
+        """Whether a teardown has taken it over (working, or left over for reconcile): nothing
+        may commit to the sandbox any more."""
+        return self.owner is not None and self.doing in TEARDOWNS
 
     def owned_by(self, owner: ProcessIdentity | None) -> bool:
         return owner is not None and self.owner == owner
@@ -125,6 +133,11 @@ class Holds:
 
     def get(self, uuid: str) -> Hold | None:
         return self.all().get(uuid) if uuid else None
+
+    def others_named(self, uuid: str, stem: str) -> list[Hold]:
+        """The holds other than ``uuid``'s that reserve the name ``stem`` (files of that name
+        are theirs then, never ``uuid``'s to remove)."""
+        return [h for h in self.all().values() if h.uuid != uuid and stem in (h.name, h.stem)]
 
     def put(self, hold: Hold) -> Hold:
         """Write ``hold`` (atomically: readers see the old one or the new one)."""

@@ -123,13 +123,10 @@ class SandboxManager:
         ``start=False`` only defines it (GPUs held, state ``defined``); ``wait=False`` starts it
         without waiting (state ``started``). With ``verify`` (and ``wait``), the GPUs are
         checked from inside the guest; a failed check raises GuestVerificationFailed and
-        removes the sandbox unless ``keep_on_failure``.
-
-        A started spec of a ``[pool]`` shape claims a ready pooled guest (GPUs attached live),
-        then (``refill``) starts a background ``vmsandbox pool fill``; else it boots cold.
-
-        Any failure undoes every step this call made (create.py) before the error
-        propagates, which also frees the GPUs it had chosen.
+        removes the sandbox unless ``keep_on_failure``. A started spec of a ``[pool]`` shape
+        claims a ready pooled guest (GPUs attached live), then (``refill``) starts a background
+        ``vmsandbox pool fill``; else it boots cold. Any failure undoes every step this call
+        made (create.py) before the error propagates, which also frees the GPUs it had chosen.
         """
         say = progress or self.progress
         check_timeout(timeout)
@@ -174,11 +171,13 @@ class SandboxManager:
         )
 
     def verify(self, name: str) -> dict[str, Any]:
-        """Re-run the in-guest GPU verification of a running sandbox; the report is stored."""
-        record, state = self.store.get(name)
-        files = SandboxFiles.of(self.config, record.stem)
-        report = create.verify_guest(record, self._endpoint(record), files)
-        self.store.put(replace(record, verification=report), state)
+        """Re-run the in-guest GPU verification of a running sandbox; the report is stored
+        (in that sandbox only: NOT_FOUND when it was removed meanwhile)."""
+        found = self.store.require(name)
+        files = SandboxFiles.of(self.config, found.record.stem)
+        report = create.verify_guest(found.record, self._endpoint(found.record), files)
+        with self.locked("record a verification"):
+            self.store.commit(found, lambda now: replace(now, verification=report))
         return report
 
     def dry_run(self, spec: SandboxSpec) -> tuple[str, list[Gpu]]:
@@ -229,7 +228,7 @@ class SandboxManager:
     def get(self, name: str, *, uuid: str | None = None) -> Sandbox:
         """Sandbox ``name``; with ``uuid``, only the sandbox of that identity (NOT_FOUND)."""
         found = self.store.require(name, uuid)
-        record = self.store.with_address(found.record, found.state)
+        record = self.store.with_address(found.record, found.state, found.uuid)
         return self.store.view(record, found.state, found.uuid)
 
     def list(self) -> list[Sandbox]:
@@ -289,7 +288,7 @@ class SandboxManager:
         found = self.store.require(name, uuid)
         power.check_powerable(found.record, found.state)
         power.stop(self.hypervisor, found.record.domain, grace=grace, uuid=found.uuid)
-        return self.get(name)
+        return self.get(name, uuid=found.uuid)
 
     def start(
         self,
@@ -301,22 +300,28 @@ class SandboxManager:
         uuid: str | None = None,
     ) -> Sandbox:
         """Start a stopped (or only defined) sandbox, its GPUs passed through again; with
-        ``wait``, return once it is ready (``wait``). Idempotent: a running sandbox is returned
-        as it is. A GPU gone from the host: FAILED_PRECONDITION, the sandbox left as it was.
-        A forwarded SSH port taken meanwhile by another program is replaced by a free one."""
+        ``wait``, return once it is ready. Idempotent. A GPU gone from the host:
+        FAILED_PRECONDITION, the sandbox left as it was; an SSH port taken meanwhile moves."""
         check_timeout(timeout)
         found = self.store.require(name, uuid)
         if power.start(self.hypervisor, self.config, found, self.locked) and wait:
-            return self.wait(name, verify=verify, timeout=timeout)
-        return self.get(name)
+            return self.wait(name, verify=verify, timeout=timeout, uuid=found.uuid)
+        return self.get(name, uuid=found.uuid)
 
-    def wait(self, name: str, *, verify: bool = True, timeout: float | None = None) -> Sandbox:
-        """Wait until a started sandbox answers SSH, verify its GPUs (``verify``) and mark it
-        ready; a guest that does not come up is marked failed, the reason in its record."""
+    def wait(
+        self,
+        name: str,
+        *,
+        verify: bool = True,
+        timeout: float | None = None,
+        uuid: str | None = None,
+    ) -> Sandbox:
+        """Wait until a started sandbox (with ``uuid``: of that identity) answers SSH, verify
+        its GPUs and mark it ready, or failed with why (NOT_FOUND when removed meanwhile)."""
         check_timeout(timeout)
-        found = self.store.require(name)
-        waiting = (self.hypervisor, self.config, found.record, self.progress)
-        record, waited = power.wait(*waiting, verify=verify, timeout=timeout)
+        found = self.store.require(name, uuid)
+        how = (self.progress, self.locked, verify, timeout)
+        record, waited = power.wait(self.hypervisor, self.config, found, *how)
         sandbox = self.store.view(record, STATE_READY, found.uuid)
         sandbox.boot_seconds = waited
         return sandbox
@@ -331,16 +336,15 @@ class SandboxManager:
 
     def destroy(self, name: str, *, uuid: str | None = None, pooled_only: bool = False) -> None:
         """Stop and remove the sandbox: domain, NVRAM, overlay, seed, keys, console and QEMU
-        logs, then its Fabric Manager partition (NVSwitch boards) (teardown.py). Idempotent in
-        effect: whatever is left of it is removed; NOT_FOUND only when nothing of it existed
-        (with ``uuid``: when the sandbox of that identity is gone); FAILED_PRECONDITION naming
-        what could not be removed. ``pooled_only``: only an unclaimed pooled guest."""
+        logs, its Fabric Manager partition (teardown.py). Idempotent in effect: what is left of
+        it is removed; NOT_FOUND only when nothing of it existed (with ``uuid``: when the
+        sandbox of that identity is gone); FAILED_PRECONDITION naming what could not be
+        removed. ``pooled_only``: only an unclaimed pooled guest."""
         teardown.destroy(self.store, self.locked, name, uuid=uuid, pooled_only=pooled_only)
 
     # -- repair -------------------------------------------------------------------------------
 
     def reconcile(self) -> dict[str, builtins.list[str]]:
-        """Finish removing what killed or failed calls left half-made in this state directory
-        and release fabric partitions whose sandbox is gone (reconcile.py); returns what was
-        removed, the partitions released and what could not be fixed."""
+        """Finish removing what killed or failed calls left half-made here and release fabric
+        partitions whose sandbox is gone (reconcile.py): what was removed, released, left."""
         return reconcile_sandboxes(self.hypervisor, self.config, self.locked).to_dict()

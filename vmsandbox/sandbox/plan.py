@@ -113,6 +113,7 @@ def plan(
         creator=creator,
         labels=dict(spec.labels),
         credential=spec.credential,
+        owner=spec.owner,
         gpus=tuple(GpuRecord.of(gpu) for gpu in gpus),
         fabric_partition=partition.id if partition else None,
         switches=tuple(switches),

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 # 5: ``credential``, the salted digest of a secret the guest holds (credential.py).
 # 6: ``hotplug``, the spare root ports of a GPU-ready pooled guest (gpu/hotplug.py).
 # 7: ``generation``, the runtime generation the OpenShell gateway last started it with.
-SCHEMA_VERSION = 7
+# 8: ``owner``, who asked for it through the OpenShell driver (openshell/caller.py).
+SCHEMA_VERSION = 8
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
@@ -114,6 +115,11 @@ class SandboxRecord:
     # The OpenShell gateway's generation id of the last StartSandbox that started this sandbox
     # (part of its runtime identity, vmsandbox/openshell/identity.py); None: never restarted so.
     generation: str | None = None
+    # Who asked for it through the OpenShell driver: the calling gateway's identity
+    # (openshell/caller.py: its uid, and the gateway a trusted delegate named), which every
+    # driver RPC is scoped to. None: not made through the driver, or made before owners were
+    # recorded (the driver then reads an owner from its labels, openshell/caller.py).
+    owner: str | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -159,6 +165,7 @@ class SandboxRecord:
             "credential": self.credential,
             "hotplug": self.hotplug.to_dict() if self.hotplug else None,
             "generation": self.generation,
+            "owner": self.owner,
         }
 
     @classmethod
@@ -166,7 +173,8 @@ class SandboxRecord:
         """Read a stored record; version 1 (no ``version`` key) fills what it lacked, and so do
         records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``),
         version 2 (no ``failure``, no ``starter``), version 3 (no ``guest``) and version 4 (no
-        ``credential``), version 5 (no ``hotplug``) and version 6 (no ``generation``).
+        ``credential``), version 5 (no ``hotplug``), version 6 (no ``generation``) and version 7
+        (no ``owner``).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -216,6 +224,7 @@ class SandboxRecord:
             credential=str(data["credential"]) if data.get("credential") else None,
             hotplug=HotplugRecord.from_dict(hotplug) if isinstance(hotplug, dict) else None,
             generation=str(data["generation"]) if data.get("generation") else None,
+            owner=str(data["owner"]) if data.get("owner") else None,
             version=SCHEMA_VERSION,
         )
 

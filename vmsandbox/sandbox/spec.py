@@ -40,6 +40,9 @@ class SandboxSpec:
     # A salted digest (vmsandbox.sandbox.credential.digest) of a secret the guest holds, kept in the
     # record so the sandbox can be recognised by that secret; never the secret itself.
     credential: str | None = None
+    # Who asks, when a driver asks for a caller (the OpenShell driver's gateway identity,
+    # openshell/caller.py): kept in the record, never interpreted here.
+    owner: str | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -65,6 +68,14 @@ class SandboxSpec:
             )
         if self.credential is not None:
             check_credential(self.credential, "credential")
+        if self.owner is not None and (
+            not isinstance(self.owner, str)
+            or not 0 < len(self.owner) <= 200
+            or not self.owner.isprintable()
+        ):
+            raise InvalidArgument(
+                "owner must be 1 to 200 printable characters", details={"field": "owner"}
+            )
         if not isinstance(self.labels, dict):
             raise InvalidArgument(
                 f"labels must map strings to strings, got {type(self.labels).__name__}",

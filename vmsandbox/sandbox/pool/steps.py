@@ -59,7 +59,7 @@ def _pooled(c: create.Creation) -> None:
     assert c.record is not None  # made by the define step
     hold = c.own()
     c.state = STATE_POOLED
-    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state, uuid=c.uuid)
     c.holds.put(settled(hold))
 
 
@@ -100,12 +100,13 @@ def _claim(c: create.Creation) -> None:
         guest=record.stem,
         labels=dict(c.spec.labels),
         credential=c.spec.credential,
+        owner=c.spec.owner,
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         creator=c.owner.identity,
         gpus=tuple(GpuRecord.of(gpu) for gpu in c.gpus),
         fabric_partition=partition.id if partition else None,
     )
-    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING)
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING, uuid=c.uuid)
     create.show_gpus(c)
 
 
