@@ -209,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     imp = images_sub.add_parser("import", parents=common, help="import a qcow2 or raw disk image")
     imp.add_argument("path")
     imp.add_argument("name")
+    imp.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace the image NAME is now (a recipe's build or another import)",
+    )
     rm = images_sub.add_parser(
         "rm", parents=common, help="remove an image, all its builds (none may be in use)"
     )

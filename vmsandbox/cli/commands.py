@@ -340,6 +340,7 @@ def _cmd_images(args: argparse.Namespace, out: Output) -> int:
     from pathlib import Path
 
     from vmsandbox.config import Config
+    from vmsandbox.image.replacing import kind
     from vmsandbox.image.store import ImageStore
     from vmsandbox.progress import StderrProgress
 
@@ -355,9 +356,17 @@ def _cmd_images(args: argparse.Namespace, out: Output) -> int:
             Path(args.path),
             args.name,
             max_disk_gib=config.max_disk_gib,
+            replace=args.replace,
             progress=StderrProgress(),
         )
-        out.result(image.to_dict(), f"imported {image.name} ({image.id}) at {image.disk}")
+        text = f"imported {image.name} ({image.id}) at {image.disk}"
+        if image.replaced is not None:
+            text += (
+                f"\nreplaced {image.name} {image.replaced.id} ({kind(image.replaced.meta)}): "
+                "new sandboxes boot the import; 'vmsandbox images prune' removes the old build "
+                "once no sandbox uses it"
+            )
+        out.result(image.to_dict(), text)
     else:
         images = [image.to_dict() for image in store.list()]
         rows = [
