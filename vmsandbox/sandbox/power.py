@@ -21,7 +21,7 @@ from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, Internal, VmSandboxError
 from vmsandbox.guest import control
 from vmsandbox.image.store import ImageStore
-from vmsandbox.progress import Progress
+from vmsandbox.progress import Progress, silent
 from vmsandbox.sandbox import boot, create, reserve
 from vmsandbox.sandbox.holds import Holds, owners_folder
 from vmsandbox.sandbox.record import (
@@ -45,9 +45,17 @@ PORT_TRIES = 3
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
 
 
-def stop(hypervisor: Hypervisor, domain: str, *, grace: float, uuid: str | None = None) -> None:
+def stop(
+    hypervisor: Hypervisor,
+    domain: str,
+    *,
+    grace: float,
+    uuid: str | None = None,
+    say: Progress = silent,
+) -> None:
     """Press the guest's power button (again every PRESS_AGAIN_S), and power it off when it
-    still runs after ``grace`` seconds. Nothing to do for a domain that does not run.
+    still runs after ``grace`` seconds. Nothing to do for a domain that does not run. ``say``
+    hears each step, so a stop that takes seconds is not silent.
 
     A press is lost when nothing in the guest listens yet: a guest that has just answered SSH
     may still be loading its ACPI button driver or starting logind (the project's lean images
@@ -58,11 +66,15 @@ def stop(hypervisor: Hypervisor, domain: str, *, grace: float, uuid: str | None 
     presses = 0
     while hypervisor.running(domain) and time.monotonic() < deadline:
         if time.monotonic() >= start + presses * PRESS_AGAIN_S:
+            say(f"pressing the power button of {domain} (power off after {grace:g}s)")
             hypervisor.shutdown(domain)
             presses += 1
         time.sleep(POLL_S)
     if hypervisor.running(domain):
+        say(f"{domain} still runs after {grace:g}s: powering it off")
         hypervisor.stop(domain, uuid=uuid)
+    elif presses:
+        say(f"{domain} shut down after {time.monotonic() - start:.1f}s")
 
 
 def check_powerable(record: SandboxRecord, state: str) -> None:
@@ -169,7 +181,7 @@ def wait(
         if error is exc:
             raise
         raise error from exc
-    record = replace(record, verification=report, failure=None)
+    record = replace(record, verification=report, failure=None, boot_seconds=waited)
     hypervisor.set_metadata(domain, record.to_dict(), STATE_READY)
     if report is not None and not report["ok"]:
         from vmsandbox.guest.verify import VerificationReport, raise_if_failed

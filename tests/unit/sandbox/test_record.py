@@ -91,7 +91,7 @@ def test_a_version_3_record_reads_unclaimed_and_a_claim_round_trips() -> None:
     claimed = SandboxRecord.from_dict({**old.to_dict(), "guest": "pool-1234abcd"})
     assert (claimed.stem, claimed.domain) == ("pool-1234abcd", "vmsbx-pool-1234abcd")
     assert SandboxRecord.from_dict(claimed.to_dict()) == claimed
-    assert claimed.to_dict()["version"] == SCHEMA_VERSION == 7
+    assert claimed.to_dict()["version"] == SCHEMA_VERSION == 8
 
 
 def test_a_version_4_record_reads_without_a_credential_and_version_5_keeps_its_digest() -> None:
@@ -120,3 +120,12 @@ def test_a_version_6_record_has_no_generation_and_a_restarted_one_round_trips() 
     restarted = replace(old, generation="gen-2")
     assert SandboxRecord.from_dict(restarted.to_dict()) == restarted
     assert restarted.to_dict()["version"] == SCHEMA_VERSION
+
+
+def test_a_version_7_record_has_no_boot_seconds_and_a_booted_one_keeps_them() -> None:
+    """Version 8 adds ``boot_seconds``: ``show`` says how long the last boot took, as create
+    did (issue 42, point 9)."""
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 7, "generation": None})
+    assert old.boot_seconds is None and old.to_dict()["boot_seconds"] is None
+    booted = replace(old, boot_seconds=12.5)
+    assert SandboxRecord.from_dict(booted.to_dict()) == booted
