@@ -53,7 +53,7 @@ STATE_MEANINGS = {
         "its guest runs, but no call has seen SSH answer yet (--no-wait); "
         "'vmsandbox start' waits for it"
     ),
-    STATE_READY: "SSH answered with the pinned host key (and its GPUs passed their checks)",
+    STATE_READY: "SSH answered with the pinned host key; its GPUs, if any, passed their checks",
     STATE_FAILED: (
         "its guest runs, but the last wait for it failed (see failure); "
         "'vmsandbox start' waits again"
