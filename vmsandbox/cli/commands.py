@@ -45,7 +45,7 @@ NO_JSON = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    ours, guest_argv = _split_guest_command(args_list)
+    ours, guest_argv = split_guest_command(args_list)
     ours = glue_negative_values(ours)
     # Until the arguments parse, --json anywhere in ours chooses how their error is shown.
     out: Output = JsonOutput() if "--json" in ours else Output()
@@ -107,7 +107,7 @@ def _refuse_json(args: argparse.Namespace) -> None:
             )
 
 
-def _split_guest_command(args_list: list[str]) -> tuple[list[str], list[str] | None]:
+def split_guest_command(args_list: list[str]) -> tuple[list[str], list[str] | None]:
     """For exec and ssh, what follows the first "--" is the guest's command line, never read
     by our parser (argparse's REMAINDER would also take our own options written after NAME).
     It is passed on whole: a guest command may itself start with "--"."""
