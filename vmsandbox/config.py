@@ -298,11 +298,10 @@ def _check_shape(config: Config, shape: PoolShape) -> None:
                 details={"field": f"pool.{shape.key}.{what}", "value": value, "max": cap},
             )
     recipes = sorted(p.parent.name for p in RECIPES.glob("*/recipe.toml"))
-    stored = (
-        sorted(p.name for p in config.images.glob("*") if p.is_dir())
-        if config.images.is_dir()
-        else []
-    )
+    try:
+        stored = sorted(p.name for p in config.images.iterdir() if p.is_dir())
+    except OSError:  # no image store yet (or none this user may read)
+        stored = []
     if shape.image not in recipes and shape.image not in stored:
         field = f"pool.{shape.key}" if shape.image == shape.key else f"pool.{shape.key}.image"
         raise InvalidArgument(

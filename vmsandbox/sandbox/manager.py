@@ -37,7 +37,7 @@ from vmsandbox.sandbox.record import (
     SandboxRecord,
     prepare_state_dirs,
 )
-from vmsandbox.sandbox.settle import UNSETTLED, require_running, settle
+from vmsandbox.sandbox.settle import UNSETTLED, require_running, settle, settle_all
 from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 from vmsandbox.sandbox.store import SandboxStore
 from vmsandbox.vm import virt
@@ -220,7 +220,7 @@ class SandboxManager:
         """The sandboxes, their states settled as ``get``'s (pooled guests not claimed yet are
         the pool's: ``pool.show``)."""
         found = [f for f in self.store.found() if not is_pool_guest(f.record)]
-        settled = [settle(self.store, self.locked, f) for f in found]
+        settled = settle_all(self.store, self.locked, found)
         views = (self.store.view(f.record, f.state, f.uuid) for f in settled)
         return sorted(views, key=lambda sandbox: sandbox.name)
 
