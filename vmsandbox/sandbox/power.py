@@ -165,7 +165,7 @@ def wait(
     domain = record.domain
     files = SandboxFiles.of(config, record.stem)
     limit = timeout or boot.boot_timeout(config.boot_timeout, record.memory_mib, len(record.gpus))
-    watch = boot.BootWatch(hypervisor, record.name, domain, files, _reports_sshd(config, record))
+    watch = boot.BootWatch(hypervisor, record.name, domain, files, reports_sshd(config, record))
     try:
         endpoint = boot.endpoint(watch, record.ssh, timeout=limit)
         if record.ssh.port is None:  # the DHCP address is kept: get/exec/ssh use it
@@ -197,7 +197,7 @@ def _internal(record: SandboxRecord, exc: Exception) -> Internal:
     )
 
 
-def _reports_sshd(config: Config, record: SandboxRecord) -> bool:
+def reports_sshd(config: Config, record: SandboxRecord) -> bool:
     """Whether the sandbox's image build says on the console when sshd has started (False
     when the build is gone: the wait then knocks as for any image)."""
     builds = ImageStore(config.images).builds(record.image)

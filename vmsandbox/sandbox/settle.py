@@ -5,8 +5,10 @@ seen SSH answer; also a ``starting`` whose starter process is gone) and ``failed
 wait for the guest failed, its reason in the record's ``failure``), while the guest runs on and
 may well have come up since. ``settle`` looks again for the readers (``get``, ``list``): when
 SSH now accepts the sandbox's key with the pinned host key, the sandbox is stored ``ready``
-(under the host lock, only if no other call changed it meanwhile). A sandbox with GPUs is left
-to ``start``, which waits for it and checks its GPUs from inside, as ``ready`` promises.
+(under the host lock, only if no other call changed it meanwhile). A guest of an image whose
+console says when sshd runs is knocked at only once it has said so: a reader never waits on a
+guest still booting. A sandbox with GPUs is left to ``start``, which waits for it and checks
+its GPUs from inside, as ``ready`` promises.
 
 ``require_running`` is the check of the commands that need a running guest (exec, ssh,
 verify): a stopped or never-started sandbox is FAILED_PRECONDITION saying how to start it,
@@ -23,6 +25,7 @@ from dataclasses import replace
 from vmsandbox.errors import FailedPrecondition, VmSandboxError
 from vmsandbox.guest import ssh
 from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.power import reports_sshd
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
     STATE_DEFINED,
@@ -34,6 +37,7 @@ from vmsandbox.sandbox.record import (
     SandboxFiles,
 )
 from vmsandbox.sandbox.store import Found, SandboxStore
+from vmsandbox.vm import console
 
 # Shown states that only say what the last call saw, while the guest runs.
 UNSETTLED = (STATE_STARTED, STATE_FAILED)
@@ -49,9 +53,16 @@ def settle(store: SandboxStore, lock: Lock, found: Found) -> Found:
     shown = store.view(found.record, found.state, found.uuid)
     if shown.state not in UNSETTLED or found.record.gpus or shown.ssh is None:
         return found
+    files = SandboxFiles.of(store.config, found.record.stem)
+    if reports_sshd(store.config, found.record):
+        watch = console.ConsoleWatch(files.console_log)
+        watch.poll()
+        if not watch.sshd_reachable:
+            return found  # its console has not said that sshd runs: no SSH to knock at yet
     try:
-        keys = SandboxFiles.of(store.config, found.record.stem).keys(found.record.host_key_alias)
-        ssh.connect(shown.ssh, keys, timeout=PROBE_TIMEOUT_S).close()
+        ssh.connect(
+            shown.ssh, files.keys(found.record.host_key_alias), timeout=PROBE_TIMEOUT_S
+        ).close()
     except VmSandboxError:
         return found  # still not answering (or answering wrongly): the state stays
     with lock("settle a sandbox's state"):
