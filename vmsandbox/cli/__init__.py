@@ -1,5 +1,7 @@
 """The ``vmsandbox`` command: its parser (``args``, with the sizes people type in ``sizes``) and
-its commands (``commands``, whose ``main`` is the entry point, here as ``vmsandbox.cli.main``);
+its commands (``commands``, whose ``main`` is the entry point, here as ``vmsandbox.cli.main``;
+``images`` the ``images`` subcommands), and what they print (``output``: text or JSON, errors
+and exit statuses);
 ``python -m vmsandbox.cli`` runs it too.
 
 A face: it may import ``openshell`` (``vmsandbox serve``), ``compat`` and everything below them.

@@ -2,7 +2,8 @@
 record and files (``record``) kept in libvirt (``store``), what each sandbox holds of the host
 (``holds``: reservations written under the host lock) and how a call reserves it (``reserve``),
 the create steps and their undos (``create``), how steps run (``runner``) and where their
-time went (``timing``), the boot wait (``boot``), stop and start (``power``), destroy
+time went (``timing``), a create that makes nothing (``dryrun``), the boot wait (``boot``),
+stop and start (``power``), states kept true after their call is gone (``settle``), destroy
 (``teardown``), repair (``reconcile``), the warm pool (the ``pool`` package: its shapes, its
 fill and claim steps, the GPU claim's steps and the pool at work; its ``__init__`` is the map),
 secrets kept as digests (``credential``), the handle a caller gets (``handle``: ``Sandbox``) and

@@ -46,6 +46,12 @@ NO_SEED_READER = (
 )
 
 
+STILL_IN_FIRMWARE = (
+    "the guest was still in its firmware or bootloader: its console shows nothing from a "
+    "kernel yet (TCG on a busy host starts slowly: a longer --timeout may do)"
+)
+
+
 def check_timeout(timeout: float | None, field: str = "timeout") -> None:
     """A timeout (or ``field``, another span such as stop's grace) is None (the default) or a
     finite number of seconds above 0 (NaN never expires: every comparison with it is false)."""
@@ -118,6 +124,14 @@ class BootWatch:
                 )
         except Unavailable:
             running = None  # libvirtd restarting: cannot tell, so the wait goes on (fail closed)
+        if fatal is None and self.console.restarts >= console.RESTARTS_FATAL:
+            tail = console.tail(self.files.console_log, CONSOLE_LINES)
+            raise FailedPrecondition(
+                f"sandbox {self.name!r} cannot boot: it started over {self.console.restarts} "
+                "times before SSH came up (a reset loop: its kernel may not fit in its memory)"
+                + _console_section(tail),
+                details={"restarts": self.console.restarts, "console_tail": tail},
+            )
         if fatal is not None:
             tail = console.tail(self.files.console_log, CONSOLE_LINES)
             raise FailedPrecondition(
@@ -142,7 +156,12 @@ class BootWatch:
         self.console.poll()
         tail = console.tail(self.files.console_log, CONSOLE_LINES)
         seen = self.console.seed_reader_seen
-        note = "" if seen else f"; {NO_SEED_READER}"
+        if seen:
+            note = ""
+        elif console.kernel_started(self.files.console_log):
+            note = f"; {NO_SEED_READER}"
+        else:  # the seed's turn never came: say how far the boot got, not what it lacks
+            note = f"; {STILL_IN_FIRMWARE}"
         return DeadlineExceeded(
             f"sandbox {self.name!r}: {exc.message}{note}" + _console_section(tail),
             details={"console_tail": tail, "seed_reader_seen": seen},

@@ -21,14 +21,14 @@ steps and undos.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vmsandbox.errors import FailedPrecondition, ResourceExhausted
+from vmsandbox.errors import FailedPrecondition
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.guest import control, ssh
 from vmsandbox.guest.keys import KeyPair, SandboxKeys
@@ -37,7 +37,7 @@ from vmsandbox.guest.ssh import Endpoint
 from vmsandbox.image.store import BaseImage, make_overlay
 from vmsandbox.progress import Progress
 from vmsandbox.sandbox import boot, plan, reserve
-from vmsandbox.sandbox.holds import Hold, Holds, settled
+from vmsandbox.sandbox.holds import Hold, Holds, settled, unwritable
 from vmsandbox.sandbox.record import (
     STATE_DEFINED,
     STATE_READY,
@@ -252,7 +252,7 @@ def _release(r: Remains) -> None:
 
 
 def _keys(c: Creation) -> None:
-    with _host_files(f"writing the keys of sandbox {c.name!r} to {c.files.keys_dir}"):
+    with _host_files(f"writing the keys of sandbox {c.name!r}", c.files.keys_dir):
         _keys, client, host = SandboxKeys.create(c.files.keys_dir, c.domain)
     c.pairs = (client, host)
 
@@ -264,7 +264,7 @@ def _overlay(c: Creation) -> None:
 
 def _seed(c: Creation) -> None:
     assert c.pairs is not None  # made by the keys step
-    with _host_files(f"writing the seed of sandbox {c.name!r} to {c.files.seed}"):
+    with _host_files(f"writing the seed of sandbox {c.name!r}", c.files.seed):
         write_seed(
             c.files.seed,
             instance_id=str(uuid.uuid4()),
@@ -359,6 +359,7 @@ def _wait(c: Creation) -> None:
     c.boot_seconds = boot.wait_for_ssh(
         watch, c.endpoint, keys, timeout=timeout, progress=c.progress
     )
+    c.record = replace(c.record, boot_seconds=c.boot_seconds)
 
 
 def _verify(c: Creation) -> None:
@@ -437,14 +438,10 @@ STARTING = frozenset({"start", "wait", "verify"})
 
 
 @contextlib.contextmanager
-def _host_files(doing: str) -> Iterator[None]:
-    """Turn a failed write on the host into FAILED_PRECONDITION (RESOURCE_EXHAUSTED when the
-    disk is full), naming what was being written."""
+def _host_files(doing: str, path: Path) -> Iterator[None]:
+    """A failed write on the host as FAILED_PRECONDITION (RESOURCE_EXHAUSTED when the disk is
+    full) naming what was being written and where (holds.unwritable)."""
     try:
         yield
     except OSError as exc:
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        raise (ResourceExhausted if full else FailedPrecondition)(
-            f"{doing}: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
-            details={"errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))},
-        ) from exc
+        raise unwritable(doing, exc, path) from exc

@@ -39,6 +39,8 @@ class Sandbox:
     # The domain's UUID: the sandbox's identity (its name is a label that can be used again).
     uuid: str = ""
     local: bool = True  # made with this manager's state directory
+    # Its serial console's log (firmware, kernel, first boot): a claimed guest's keeps its name.
+    console_log: Path | None = None
 
     @classmethod
     def of(cls, record: SandboxRecord, state: str, files: SandboxFiles) -> Sandbox:
@@ -64,6 +66,8 @@ class Sandbox:
             failure=record.failure,
             generation=record.generation,
             owner=record.owner,
+            boot_seconds=record.boot_seconds,
+            console_log=files.console_log,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,4 +97,5 @@ class Sandbox:
             "stage_seconds": self.stage_seconds,
             "failure": self.failure,
             "generation": self.generation,
+            "console_log": str(self.console_log) if self.console_log else None,
         }

@@ -153,7 +153,7 @@ class Holds:
         except OSError as exc:
             partial.unlink(missing_ok=True)
             doing = f"writing the reservation of sandbox {hold.name!r}"
-            raise _unwritable(doing, exc, partial) from exc
+            raise unwritable(doing, exc, partial) from exc
         (self.folder / f"{hold.uuid}.gone").unlink(missing_ok=True)
         return hold
 
@@ -183,7 +183,7 @@ class Holds:
                 (self.folder / f"{uuid}.gone").unlink()
 
 
-def _unwritable(doing: str, exc: OSError, path: Path) -> VmSandboxError:
+def unwritable(doing: str, exc: OSError, path: Path) -> VmSandboxError:
     """RESOURCE_EXHAUSTED for a full disk, FAILED_PRECONDITION otherwise, naming the file."""
     full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
     return (ResourceExhausted if full else FailedPrecondition)(
@@ -207,6 +207,4 @@ def own(config: Config) -> Ownership:
     try:
         return Ownership(owners_folder(config))
     except OSError as exc:
-        raise _unwritable(
-            "writing the owner file of this call", exc, owners_folder(config)
-        ) from exc
+        raise unwritable("writing the owner file of this call", exc, owners_folder(config)) from exc

@@ -16,19 +16,18 @@ from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
 from vmsandbox.config import Config
-from vmsandbox.errors import FailedPrecondition, NotFound
+from vmsandbox.errors import FailedPrecondition
 from vmsandbox.guest import ssh
 from vmsandbox.guest.keys import SandboxKeys
 from vmsandbox.host.numa import host_cpus_by_node
 from vmsandbox.image.store import BaseImage, ImageStore
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
-from vmsandbox.sandbox import create, power, reserve, runner, teardown
+from vmsandbox.sandbox import create, dryrun, power, reserve, runner, teardown
 from vmsandbox.sandbox import plan as planner
 from vmsandbox.sandbox.boot import check_timeout
 from vmsandbox.sandbox.create import Creation
 from vmsandbox.sandbox.handle import Sandbox
-from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.pool.keeper import WarmPool
 from vmsandbox.sandbox.pool.shapes import check_not_pooled_name, is_pool_guest
 from vmsandbox.sandbox.reconcile import reconcile as reconcile_sandboxes
@@ -38,6 +37,7 @@ from vmsandbox.sandbox.record import (
     SandboxRecord,
     prepare_state_dirs,
 )
+from vmsandbox.sandbox.settle import UNSETTLED, require_running, settle, settle_all
 from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 from vmsandbox.sandbox.store import SandboxStore
 from vmsandbox.vm import virt
@@ -123,10 +123,14 @@ class SandboxManager:
         ``start=False`` only defines it (GPUs held, state ``defined``); ``wait=False`` starts it
         without waiting (state ``started``). With ``verify`` (and ``wait``), the GPUs are
         checked from inside the guest; a failed check raises GuestVerificationFailed and
-        removes the sandbox unless ``keep_on_failure``. A started spec of a ``[pool]`` shape
-        claims a ready pooled guest (GPUs attached live), then (``refill``) starts a background
-        ``vmsandbox pool fill``; else it boots cold. Any failure undoes every step this call
-        made (create.py) before the error propagates, which also frees the GPUs it had chosen.
+        removes the sandbox unless ``keep_on_failure``.
+
+        A started spec of a ``[pool]`` shape claims a ready pooled guest (GPUs attached live),
+        then (``refill``) starts a background ``vmsandbox pool fill``; else it boots cold, and
+        (``refill``) starts one when the pool is short of guests.
+
+        Any failure undoes every step this call made (create.py) before the error
+        propagates, which also frees the GPUs it had chosen.
         """
         say = progress or self.progress
         check_timeout(timeout)
@@ -148,9 +152,10 @@ class SandboxManager:
         runner.run(steps, creation, self.locked, self.checkpoint)
         assert creation.record is not None  # made by the define step
         sandbox = self.store.view(creation.record, creation.state, creation.uuid)
-        sandbox.boot_seconds = creation.boot_seconds
         create.check_verification(creation)  # a sandbox kept although its check failed
         say(f"sandbox {name} is {creation.state}")
+        if refill and start:
+            self.pool.refill_if_short()  # a claim without refill, or a burst, left it short
         return sandbox
 
     def _creation(
@@ -171,44 +176,25 @@ class SandboxManager:
         )
 
     def verify(self, name: str) -> dict[str, Any]:
-        """Re-run the in-guest GPU verification of a running sandbox; the report is stored
-        (in that sandbox only: NOT_FOUND when it was removed meanwhile)."""
-        found = self.store.require(name)
+        """Re-run the in-guest GPU verification of a running sandbox; the report is stored (in
+        that sandbox only: NOT_FOUND when it was removed meanwhile). FAILED_PRECONDITION for a
+        guest that does not run, UNAVAILABLE for one whose sshd does not answer with the pinned
+        host key (a sandbox without GPUs is checked for that)."""
+        sandbox = self.get(name)
+        require_running(sandbox, "verify")
+        found = self.store.require(name, sandbox.uuid)
         files = SandboxFiles.of(self.config, found.record.stem)
-        report = create.verify_guest(found.record, self._endpoint(found.record), files)
+        endpoint = self._endpoint(found.record)
+        ssh.prove_host_key(endpoint, files.keys(found.record.host_key_alias))
+        report = create.verify_guest(found.record, endpoint, files)
         with self.locked("record a verification"):
             self.store.commit(found, lambda now: replace(now, verification=report))
         return report
 
-    def dry_run(self, spec: SandboxSpec) -> tuple[str, list[Gpu]]:
-        """The domain XML and GPUs that ``create`` would use now; defines and writes nothing.
-
-        Needs no built image: an image that is not built yet is shown at the path it will have.
-        On NVSwitch boards Fabric Manager's table is read (shared mode) but nothing activated;
-        the XML names the partition in its record, or carries the NVSwitches (full passthrough).
-        """
-        self.check_caps(spec)
-        name = spec.name or generate_name()
-        try:
-            image: BaseImage | None = self.images.get(spec.image)
-        except NotFound:
-            image = None
-        virt_type = virt.for_sandbox(spec.virt_type, self.config, None, self.progress)
-        view = self.look(spec)
-        with self.locked("dry run"):
-            now = reserve.taken(view, Holds(self.config))
-            chosen = reserve.allocate(spec.gpu, view, now, self.config.max_gpus)
-            port = reserve.pick_port(now) if self.config.network == "user" else None
-        planned = planner.plan(
-            spec,
-            name=name,
-            config=self.config,
-            image=image,
-            virt_type=virt_type,
-            allocation=chosen,
-            port=port,
-            host_cpus=host_cpus_by_node() if chosen else None,
-        )
+    def dry_run(self, spec: SandboxSpec) -> tuple[str, builtins.list[Gpu]]:
+        """The domain XML and GPUs that ``create`` would use now, refusing what it refuses;
+        defines and writes nothing (dryrun.py)."""
+        planned = dryrun.dry_run(self, spec)
         return planned.xml(), list(planned.gpus)
 
     def look(self, spec: SandboxSpec) -> reserve.HostView:
@@ -226,21 +212,19 @@ class SandboxManager:
     # -- read ---------------------------------------------------------------------------------
 
     def get(self, name: str, *, uuid: str | None = None) -> Sandbox:
-        """Sandbox ``name``; with ``uuid``, only the sandbox of that identity (NOT_FOUND)."""
-        found = self.store.require(name, uuid)
+        """Sandbox ``name``; with ``uuid``, only the sandbox of that identity (NOT_FOUND). A
+        state that said only what the last call saw is looked at again first (settle.py)."""
+        found = settle(self.store, self.locked, self.store.require(name, uuid))
         record = self.store.with_address(found.record, found.state, found.uuid)
         return self.store.view(record, found.state, found.uuid)
 
     def list(self) -> list[Sandbox]:
-        """The sandboxes (pooled guests not claimed yet are the pool's: ``pool.show``)."""
-        return sorted(
-            (
-                self.store.view(f.record, f.state, f.uuid)
-                for f in self.store.found()
-                if not is_pool_guest(f.record)
-            ),
-            key=lambda sandbox: sandbox.name,
-        )
+        """The sandboxes, their states settled as ``get``'s (pooled guests not claimed yet are
+        the pool's: ``pool.show``)."""
+        found = [f for f in self.store.found() if not is_pool_guest(f.record)]
+        settled = settle_all(self.store, self.locked, found)
+        views = (self.store.view(f.record, f.state, f.uuid) for f in settled)
+        return sorted(views, key=lambda sandbox: sandbox.name)
 
     # -- use ----------------------------------------------------------------------------------
 
@@ -263,19 +247,19 @@ class SandboxManager:
         stderr: IO[bytes] | None = None,
     ) -> ssh.ExecResult:
         """Run a command in the sandbox: a list is quoted word by word; a string is a shell line."""
-        sandbox = self.get(name)
-        if sandbox.ssh is None:
-            raise FailedPrecondition(f"sandbox {name!r} has no SSH endpoint yet")
         check_timeout(timeout)
         command = ssh.shell_command(command)
+        sandbox = self.get(name)
+        require_running(sandbox, "run a command in")
+        assert sandbox.ssh is not None  # require_running
         keys = self.keys_of(sandbox)
         return ssh.run(sandbox.ssh, keys, command, timeout=timeout, stdout=stdout, stderr=stderr)
 
     def ssh_argv(self, name: str, command: Sequence[str] = ()) -> builtins.list[str]:
         """The OpenSSH command line that logs into the sandbox with its pinned host key."""
         sandbox = self.get(name)
-        if sandbox.ssh is None:
-            raise FailedPrecondition(f"sandbox {name!r} has no SSH endpoint yet")
+        require_running(sandbox, "log into")
+        assert sandbox.ssh is not None  # require_running
         return ssh.ssh_argv(sandbox.ssh, self.keys_of(sandbox), command)
 
     # -- power (power.py) ----------------------------------------------------------------------
@@ -287,7 +271,9 @@ class SandboxManager:
         check_timeout(grace, field="grace")
         found = self.store.require(name, uuid)
         power.check_powerable(found.record, found.state)
-        power.stop(self.hypervisor, found.record.domain, grace=grace, uuid=found.uuid)
+        power.stop(
+            self.hypervisor, found.record.domain, grace=grace, uuid=found.uuid, say=self.progress
+        )
         return self.get(name, uuid=found.uuid)
 
     def start(
@@ -300,11 +286,14 @@ class SandboxManager:
         uuid: str | None = None,
     ) -> Sandbox:
         """Start a stopped (or only defined) sandbox, its GPUs passed through again; with
-        ``wait``, return once it is ready. Idempotent. A GPU gone from the host:
-        FAILED_PRECONDITION, the sandbox left as it was; an SSH port taken meanwhile moves."""
+        ``wait``, return once it is ready. Idempotent: a running sandbox is returned as it is,
+        after a wait for it when it shows ``started`` or ``failed`` (settle.py). A GPU gone from
+        the host: FAILED_PRECONDITION, the sandbox left as it was; an SSH port taken meanwhile
+        moves."""
         check_timeout(timeout)
         found = self.store.require(name, uuid)
-        if power.start(self.hypervisor, self.config, found, self.locked) and wait:
+        unsettled = self.store.view(found.record, found.state, found.uuid).state in UNSETTLED
+        if (power.start(self.hypervisor, self.config, found, self.locked) or unsettled) and wait:
             return self.wait(name, verify=verify, timeout=timeout, uuid=found.uuid)
         return self.get(name, uuid=found.uuid)
 

@@ -194,11 +194,14 @@ def with_port(planned: SandboxPlan, port: int) -> SandboxPlan:
 
 
 def check_caps(spec: SandboxSpec, config: Config) -> None:
-    """INVALID_ARGUMENT when the spec asks for more than this host allows one sandbox."""
+    """INVALID_ARGUMENT when the spec asks for more than this host allows one sandbox: vCPUs,
+    memory, disk, and a number of GPUs (counted or named) over ``max_gpus``."""
+    gpus = (spec.gpu.count or len(spec.gpu.devices)) if spec.gpu else 0
     for what, value, cap in (
         ("cpus", spec.cpus, config.max_cpus),
         ("memory_mib", spec.memory_mib, config.max_memory_mib),
         ("disk_gib", spec.disk_gib, config.max_disk_gib),
+        ("gpus", gpus, config.max_gpus),
     ):
         if value > cap:
             raise InvalidArgument(

@@ -26,7 +26,7 @@ from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, Internal, VmSandboxError
 from vmsandbox.guest import control
 from vmsandbox.image.store import ImageStore
-from vmsandbox.progress import Progress
+from vmsandbox.progress import Progress, silent
 from vmsandbox.sandbox import boot, create, reserve
 from vmsandbox.sandbox.holds import Holds, owners_folder
 from vmsandbox.sandbox.record import (
@@ -50,10 +50,18 @@ PORT_TRIES = 3
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
 
 
-def stop(hypervisor: Hypervisor, domain: str, *, grace: float, uuid: str | None = None) -> None:
+def stop(
+    hypervisor: Hypervisor,
+    domain: str,
+    *,
+    grace: float,
+    uuid: str | None = None,
+    say: Progress = silent,
+) -> None:
     """Press the guest's power button (again every PRESS_AGAIN_S), and power it off when it
     still runs after ``grace`` seconds. Nothing to do for a domain that does not run (with
-    ``uuid``: for the domain of that UUID only, whatever has its name now).
+    ``uuid``: for the domain of that UUID only, whatever has its name now). ``say`` hears each
+    step, so a stop that takes seconds is not silent.
 
     A press is lost when nothing in the guest listens yet: a guest that has just answered SSH
     may still be loading its ACPI button driver or starting logind (the project's lean images
@@ -64,11 +72,15 @@ def stop(hypervisor: Hypervisor, domain: str, *, grace: float, uuid: str | None 
     presses = 0
     while hypervisor.running(domain, uuid=uuid) and time.monotonic() < deadline:
         if time.monotonic() >= start + presses * PRESS_AGAIN_S:
+            say(f"pressing the power button of {domain} (power off after {grace:g}s)")
             hypervisor.shutdown(domain, uuid=uuid)
             presses += 1
         time.sleep(POLL_S)
     if hypervisor.running(domain, uuid=uuid):
+        say(f"{domain} still runs after {grace:g}s: powering it off")
         hypervisor.stop(domain, uuid=uuid)
+    elif presses:
+        say(f"{domain} shut down after {time.monotonic() - start:.1f}s")
 
 
 def check_powerable(record: SandboxRecord, state: str) -> None:
@@ -166,7 +178,7 @@ def wait(
     files = SandboxFiles.of(config, record.stem)
     store = SandboxStore(hypervisor, config)
     limit = timeout or boot.boot_timeout(config.boot_timeout, record.memory_mib, len(record.gpus))
-    sshd = _reports_sshd(config, record)
+    sshd = reports_sshd(config, record)
     watch = boot.BootWatch(hypervisor, record.name, domain, files, sshd, uuid=found.uuid)
     try:
         endpoint = boot.endpoint(watch, record.ssh, timeout=limit)
@@ -186,7 +198,9 @@ def wait(
     learned = record.ssh if found.record.ssh.port is None else None  # the DHCP address
 
     def ready(now: SandboxRecord) -> SandboxRecord:
-        return replace(now, ssh=learned or now.ssh, verification=report, failure=None)
+        return replace(
+            now, ssh=learned or now.ssh, verification=report, failure=None, boot_seconds=waited
+        )
 
     with lock():
         record = store.commit(found, ready, STATE_READY).record
@@ -204,7 +218,7 @@ def _internal(record: SandboxRecord, exc: Exception) -> Internal:
     )
 
 
-def _reports_sshd(config: Config, record: SandboxRecord) -> bool:
+def reports_sshd(config: Config, record: SandboxRecord) -> bool:
     """Whether the sandbox's image build says on the console when sshd has started (False
     when the build is gone: the wait then knocks as for any image)."""
     builds = ImageStore(config.images).builds(record.image)

@@ -18,7 +18,8 @@ Left over, and taken apart (teardown.finish, slow parts outside the lock):
 - a domain still marked creating whose creator is gone, made before reservations existed;
 - a stopped domain whose overlay, seed or keys are gone (a running one is reported, not
   stopped);
-- files with no domain and no reservation (removed at once, under the lock).
+- files with no domain and no reservation (removed at once, under the lock);
+- owner files (``owners/``) that nobody keeps locked: their processes were killed.
 
 Also under the lock: a settled reservation whose domain is gone (removed by something else
 than vmsandbox) is dropped; a sandbox made before reservations existed gets one; tombstones of
@@ -39,7 +40,7 @@ from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.sandbox.create import Remains
-from vmsandbox.sandbox.holds import Hold, Holds, own
+from vmsandbox.sandbox.holds import Hold, Holds, own, owners_folder
 from vmsandbox.sandbox.pool.shapes import holds as of_shape
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
@@ -52,7 +53,7 @@ from vmsandbox.sandbox.teardown import finish
 from vmsandbox.validate import validate_name
 from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor, Stored
-from vmsandbox.vm.process import Ownership
+from vmsandbox.vm.process import Ownership, sweep_owner_files
 
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
 
@@ -93,6 +94,7 @@ def reconcile(hypervisor: Hypervisor, config: Config, lock: Lock) -> Report:
             report.fabric_partitions = sorted(leased - left)
     finally:
         owner.end()
+    sweep_owner_files(owners_folder(config))
     return report
 
 

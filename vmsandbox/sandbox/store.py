@@ -27,7 +27,9 @@ from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
     STATE_DEFINED,
+    STATE_STARTED,
     STATE_STARTING,
+    STATE_STOPPED,
     SandboxFiles,
     SandboxRecord,
     names_domain,
@@ -199,9 +201,11 @@ class SandboxStore:
     def view(self, record: SandboxRecord, state: str, uuid: str = "") -> Sandbox:
         """The sandbox as a caller sees it: its recorded state while its domain runs (or while
         it is being made, only defined, or started by a process that still lives), else
-        ``stopped``. When libvirtd cannot say whether it runs, the recorded state (a create
-        that committed must not turn into an error on its last read). With ``uuid``, the
-        domain of that identity (a record read earlier is not shown with a namesake's state)."""
+        ``stopped``; ``started`` for one recorded ``starting`` whose starter is gone (after a
+        ``start --no-wait`` nobody waits for it). When libvirtd cannot say whether it runs, the
+        recorded state (a create that committed must not turn into an error on its last read).
+        With ``uuid``, the domain of that identity (a record read earlier is not shown with a
+        namesake's state)."""
         try:
             running = self.hypervisor.running(record.domain, uuid=uuid or None)
         except Unavailable:  # libvirtd is away: show what the record says, decide nothing
@@ -209,8 +213,10 @@ class SandboxStore:
         starter = record.starter
         starting = state == STATE_STARTING and starter is not None and starter.alive()
         held = running or starting or state in (STATE_CREATING, STATE_DEFINED)
+        if running and state == STATE_STARTING and not starting:
+            state = STATE_STARTED  # its starter is gone: nobody is waiting for it any more
         files = SandboxFiles.of(self.config, record.stem)
-        sandbox = Sandbox.of(record, state if held else "stopped", files)
+        sandbox = Sandbox.of(record, state if held else STATE_STOPPED, files)
         sandbox.uuid = uuid
         sandbox.local = self.local(record)
         return sandbox

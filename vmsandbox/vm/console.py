@@ -48,6 +48,21 @@ NETWORK_ONLINE_RE = re.compile(
     r"|vmsandbox-boot: network is online at "
 )
 MULTI_USER_RE = re.compile(r"Reached target multi-user\.target\b")
+# Lines each boot of a guest prints once: SeaBIOS's banner, the kernel's (without "quiet"),
+# the project's initramfs. Seen RESTARTS_FATAL times, the guest is starting over in a loop
+# (a kernel that cannot fit its memory resets the machine at once, and libvirt restarts it).
+BOOT_START_RES = (
+    re.compile(r"SeaBIOS \(version "),
+    re.compile(r"Linux version \d"),
+    re.compile(r"vmsandbox-boot: initramfs started"),
+)
+RESTARTS_FATAL = 3
+# Any sign that a kernel has started: its banner or timestamps, the project's initramfs,
+# systemd, a login prompt. A console without one shows only firmware or a bootloader.
+KERNEL_SIGN_RE = re.compile(
+    r"Linux version \d|^\[\s*\d+\.\d+\]|vmsandbox-boot: |systemd|login: |Run /init",
+    re.MULTILINE,
+)
 # "vmsandbox-boot: <event> at <seconds>s": a stage of the boot, in the guest's own clock.
 BOOT_MARK_RE = re.compile(r"vmsandbox-boot: (?P<event>.+?) at (?P<at>\d+(?:\.\d+)?)s\b")
 
@@ -84,6 +99,11 @@ def tail(path: Path, lines: int) -> str:
     return "\n".join(clean(text).splitlines()[-lines:])
 
 
+def kernel_started(path: Path) -> bool:
+    """Whether the console log shows any sign of a kernel (KERNEL_SIGN_RE) in its last lines."""
+    return KERNEL_SIGN_RE.search(tail(path, 200)) is not None
+
+
 def stage(path: Path) -> str:
     """A short phrase for how far the guest has got, read from its console log."""
     text = tail(path, 80)
@@ -107,6 +127,7 @@ class ConsoleWatch:
         self.network_online_seen = False
         self.lean_boot_seen = False
         self.fatal: str | None = None
+        self.boots = [0] * len(BOOT_START_RES)  # how often each boot's line was seen
         self._offset = 0
         self._partial = ""
 
@@ -133,7 +154,14 @@ class ConsoleWatch:
             self.lean_boot_seen |= BOOT_MARK_RE.search(line) is not None
             if self.fatal is None and any(pattern.search(line) for pattern in FATAL):
                 self.fatal = line.strip()
+            for index, pattern in enumerate(BOOT_START_RES):
+                self.boots[index] += pattern.search(line) is not None
         return self.fatal
+
+    @property
+    def restarts(self) -> int:
+        """How many times the guest has started over since the log began (0: booted once)."""
+        return max(0, max(self.boots) - 1)
 
     @property
     def sshd_reachable(self) -> bool:

@@ -129,4 +129,13 @@ def test_a_version_7_record_has_no_owner_and_an_owned_one_round_trips() -> None:
     assert old.owner is None and old.to_dict()["owner"] is None
     owned = replace(old, owner="uid:1001/gw-a")
     assert SandboxRecord.from_dict(owned.to_dict()) == owned
-    assert owned.to_dict()["version"] == SCHEMA_VERSION == 8
+    assert owned.to_dict()["version"] == SCHEMA_VERSION
+
+
+def test_a_version_8_record_has_no_boot_seconds_and_a_booted_one_keeps_them() -> None:
+    """Version 9 adds ``boot_seconds``: ``show`` says how long the last boot took, as create
+    did."""
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 8, "generation": None})
+    assert old.boot_seconds is None and old.to_dict()["boot_seconds"] is None
+    booted = replace(old, boot_seconds=12.5)
+    assert SandboxRecord.from_dict(booted.to_dict()) == booted

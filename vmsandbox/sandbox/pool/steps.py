@@ -47,6 +47,7 @@ def _settle(c: create.Creation) -> None:
         return
     assert c.record is not None and c.endpoint is not None  # made by define and wait
     keys = c.files.keys(c.record.host_key_alias)
+    c.progress(f"pooled guest {c.name} answers SSH; waiting for the rest of its boot")
     # As root first: the user's systemctl needs the system bus, which the project's images
     # start after sshd (it fails at once while the bus is not up); root's talks to systemd.
     wait = "systemctl is-system-running --wait"
