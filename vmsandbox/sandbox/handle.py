@@ -35,6 +35,7 @@ class Sandbox:
     stage_seconds: dict[str, float] | None = None
     failure: dict[str, str] | None = None  # state failed: {code, message} of why (power.wait)
     generation: str | None = None  # the OpenShell gateway's last start generation (record.py)
+    expires_at: str | None = None  # when its lifetime ends (UTC); None: never (lifetime.py)
     # The domain's UUID: the sandbox's identity (its name is a label that can be used again).
     uuid: str = ""
     local: bool = True  # made with this manager's state directory
@@ -62,6 +63,7 @@ class Sandbox:
             verification=record.verification,
             failure=record.failure,
             generation=record.generation,
+            expires_at=record.expires_at,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -91,4 +93,15 @@ class Sandbox:
             "stage_seconds": self.stage_seconds,
             "failure": self.failure,
             "generation": self.generation,
+            "expires_at": self.expires_at,
+            "expires_in_seconds": self.expires_in_seconds,
         }
+
+    @property
+    def expires_in_seconds(self) -> int | None:
+        """Whole seconds left of its lifetime now (0 once it has ended, until it is reaped);
+        None when it has none."""
+        from vmsandbox.sandbox.expiry import seconds_left
+
+        left = seconds_left(self.expires_at)
+        return None if left is None else int(left)

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 # 5: ``credential``, the salted digest of a secret the guest holds (credential.py).
 # 6: ``hotplug``, the spare root ports of a GPU-ready pooled guest (gpu/hotplug.py).
 # 7: ``generation``, the runtime generation the OpenShell gateway last started it with.
-SCHEMA_VERSION = 7
+# 8: ``expires_at``, the end of a sandbox's lifetime (``create --ttl``; lifetime.py).
+SCHEMA_VERSION = 8
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
@@ -114,6 +115,9 @@ class SandboxRecord:
     # The OpenShell gateway's generation id of the last StartSandbox that started this sandbox
     # (part of its runtime identity, vmsandbox/openshell/identity.py); None: never restarted so.
     generation: str | None = None
+    # When the sandbox's lifetime ends (UTC, ``%Y-%m-%dT%H:%M:%SZ``): ``vmsandbox reap``
+    # destroys it from then on. None: it lives until destroyed.
+    expires_at: str | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -159,6 +163,7 @@ class SandboxRecord:
             "credential": self.credential,
             "hotplug": self.hotplug.to_dict() if self.hotplug else None,
             "generation": self.generation,
+            "expires_at": self.expires_at,
         }
 
     @classmethod
@@ -166,7 +171,8 @@ class SandboxRecord:
         """Read a stored record; version 1 (no ``version`` key) fills what it lacked, and so do
         records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``),
         version 2 (no ``failure``, no ``starter``), version 3 (no ``guest``) and version 4 (no
-        ``credential``), version 5 (no ``hotplug``) and version 6 (no ``generation``).
+        ``credential``), version 5 (no ``hotplug``), version 6 (no ``generation``) and version 7
+        (no ``expires_at``: no lifetime).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -216,6 +222,7 @@ class SandboxRecord:
             credential=str(data["credential"]) if data.get("credential") else None,
             hotplug=HotplugRecord.from_dict(hotplug) if isinstance(hotplug, dict) else None,
             generation=str(data["generation"]) if data.get("generation") else None,
+            expires_at=str(data["expires_at"]) if data.get("expires_at") else None,
             version=SCHEMA_VERSION,
         )
 

@@ -14,7 +14,7 @@ from vmsandbox.errors import InvalidArgument
 from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.guest.setup import GuestSetup
 from vmsandbox.sandbox.credential import check as check_credential
-from vmsandbox.validate import positive_int, validate_image_name, validate_name
+from vmsandbox.validate import check_duration, positive_int, validate_image_name, validate_name
 
 VIRT_TYPES = ("auto", "kvm", "qemu")
 
@@ -40,6 +40,9 @@ class SandboxSpec:
     # A salted digest (vmsandbox.sandbox.credential.digest) of a secret the guest holds, kept in the
     # record so the sandbox can be recognised by that secret; never the secret itself.
     credential: str | None = None
+    # Seconds the sandbox lives, from its create: ``vmsandbox reap`` (or ``serve``) destroys it
+    # after that (lifetime.py). None: it lives until destroyed.
+    ttl: int | float | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -63,6 +66,8 @@ class SandboxSpec:
                 f"guest must be a GuestSetup or None, got {type(self.guest).__name__}",
                 details={"field": "guest"},
             )
+        if self.ttl is not None:
+            check_duration(self.ttl, "ttl")
         if self.credential is not None:
             check_credential(self.credential, "credential")
         if not isinstance(self.labels, dict):
