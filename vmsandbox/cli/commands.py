@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vmsandbox.cli import access, completion, files, lifetime
 from vmsandbox.cli.args import build_parser, glue_negative_values
 from vmsandbox.errors import InvalidArgument, VmSandboxError
 
@@ -74,7 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Until the arguments parse, --json anywhere in ours chooses how their error is shown.
     out: Output = JsonOutput() if "--json" in ours else Output()
     try:
-        args = build_parser().parse_args(ours)
+        parser = build_parser()
+        completion.complete(parser)  # the shell asking for completions: answered, then exit
+        args = parser.parse_args(ours)
         out = JsonOutput() if args.json else Output()
         if guest_argv is not None:
             if args.argv:
@@ -139,6 +142,7 @@ def _cmd_create(args: argparse.Namespace, out: Output) -> int:
         disk_gib=args.disk,
         virt_type=args.virt_type,
         gpu=gpu_request,
+        ttl=args.ttl,
     )
     if args.dry_run:
         with _manager() as manager:
@@ -175,10 +179,11 @@ def _cmd_list(_args: argparse.Namespace, out: Output) -> int:
             f"{s['memory_mib']}M",
             f"{s['ssh']['host']}:{s['ssh']['port']}" if s["ssh"] else "-",
             ",".join(g.get("bdf", "?") for g in s["gpus"]) or "-",
+            lifetime.time_left(s),
         )
         for s in sandboxes
     ]
-    table = _table(("NAME", "STATE", "IMAGE", "CPUS", "MEMORY", "SSH", "GPUS"), rows)
+    table = _table(("NAME", "STATE", "IMAGE", "CPUS", "MEMORY", "SSH", "GPUS", "EXPIRES"), rows)
     out.result({"sandboxes": sandboxes}, table if rows else "no sandboxes")
     return 0
 
@@ -188,28 +193,6 @@ def _cmd_show(args: argparse.Namespace, out: Output) -> int:
         data = manager.get(args.name).to_dict()
     out.result(data, _describe(data))
     return 0
-
-
-def _cmd_exec(args: argparse.Namespace, _out: Output) -> int:
-    if not args.argv:
-        raise InvalidArgument("exec needs a command: vmsandbox exec NAME -- CMD [ARGS...]")
-    with _manager() as manager:
-        result = manager.exec(
-            args.name,
-            list(args.argv),
-            timeout=args.timeout,
-            stdout=sys.stdout.buffer,
-            stderr=sys.stderr.buffer,
-        )
-    return result.exit_status
-
-
-def _cmd_ssh(args: argparse.Namespace, _out: Output) -> int:
-    with _manager() as manager:
-        command = manager.ssh_argv(args.name, list(args.argv))
-    sys.stdout.flush()
-    os.execvp(command[0], command)
-    return 0  # not reached
 
 
 def _cmd_destroy(args: argparse.Namespace, out: Output) -> int:
@@ -412,6 +395,8 @@ def _describe(data: dict[str, Any]) -> str:
         f"ssh:       {ssh['user']}@{ssh['host']}:{ssh['port']}" if ssh else "ssh:       -",
         f"connect:   vmsandbox ssh {data['name']}",
     ]
+    if expires := lifetime.expiry_line(data):
+        lines.append(expires)
     if data.get("boot_seconds") is not None:
         lines.append(f"boot:      SSH ready after {data['boot_seconds']}s")
     if data.get("stage_seconds"):
@@ -434,8 +419,6 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "create": _cmd_create,
     "list": _cmd_list,
     "show": _cmd_show,
-    "exec": _cmd_exec,
-    "ssh": _cmd_ssh,
     "destroy": _cmd_destroy,
     "stop": _cmd_stop,
     "start": _cmd_start,
@@ -446,4 +429,8 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "images": _cmd_images,
     "pool": _cmd_pool,
     "fleet": _cmd_fleet,
+    **files.HANDLERS,
+    **access.HANDLERS,
+    **lifetime.HANDLERS,
+    **completion.HANDLERS,
 }

@@ -12,7 +12,7 @@ from typing import IO, TYPE_CHECKING
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition
-from vmsandbox.guest import download, execute, openssh, ssh, upload
+from vmsandbox.guest import download, execute, openssh, sftpipe, ssh, upload
 from vmsandbox.guest.forward import Forwarder, ForwardSpec, parse_forward
 from vmsandbox.guest.keys import SandboxKeys
 from vmsandbox.guest.transfer import GuestFiles, Progress, TransferSummary
@@ -111,11 +111,11 @@ class SandboxAccess:
         """An SFTP session with sandbox ``name`` for several copies (``upload``, ``download``
         take one each); close it, or use it in a ``with`` block."""
         _, endpoint, keys = self._reach(name)
-        client = ssh.connect(endpoint, keys)
+        session = sftpipe.open_session(endpoint, keys)
         try:
-            return GuestFiles(client, sandbox=name, user=endpoint.user, progress=progress)
+            return GuestFiles(session, sandbox=name, user=endpoint.user, progress=progress)
         except BaseException:
-            client.close()
+            session.close()
             raise
 
     def upload(

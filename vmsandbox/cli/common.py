@@ -1,0 +1,22 @@
+"""What the command modules beside commands.py share: a manager for one command, and the shape
+of the output object each handler is given (commands.Output)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Out(Protocol):
+    """A command's output: text for people, or JSON with ``--json`` (commands.Output)."""
+
+    json: bool
+
+    def result(self, data: Any, text: str) -> None: ...
+
+
+def manager(*, progress: bool = False) -> Any:
+    """A SandboxManager that repairs nothing (reading and using commands never delete)."""
+    from vmsandbox.progress import StderrProgress, silent
+    from vmsandbox.sandbox.manager import SandboxManager
+
+    return SandboxManager(progress=StderrProgress() if progress else silent, reconcile=False)
