@@ -18,8 +18,8 @@ What a copy may trust, and what it may not:
   name no file can have (empty, ``.``, ``..``, holding ``/`` or NUL) is skipped and listed.
 
 Throughput: paramiko sends SFTP requests of 32 KiB, one at a time unless told otherwise; here
-writes are pipelined (``set_pipelined``) and reads are asked for READ_WINDOW bytes at a time
-(``readv``), and the SFTP session has a window of SFTP_WINDOW bytes (bench/transfer.py).
+requests are of 255 KiB and a steady number of them is kept in flight both ways, and the session
+runs over OpenSSH's client where there is one (sftpipe.py; bench/transfer.py measures it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import errno
 import posixpath
 import secrets
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 # an answer, so eight times fewer of them nearly double the throughput of a TCG guest.
 CHUNK = 255 * 1024
 WRITES_IN_FLIGHT = 16  # about 4 MiB sent ahead of the guest's answers
-READ_WINDOW = 32 * CHUNK  # bytes of reads asked for at once: about 8 MiB held at most
+READS_IN_FLIGHT = 32  # about 8 MiB asked for ahead of what was written out
 MAX_DEPTH = 128  # folders deeper than this are skipped (each level holds a descriptor open)
 MODE_BITS = 0o777  # permission bits kept; set-id bits are not carried across
 
@@ -271,22 +271,48 @@ class GuestFiles:
         self.progress(self.done, self.total)
 
     def read_file(self, path: str, size: int) -> Iterator[bytes]:
-        """The file's bytes, READ_WINDOW at a time with every read of a window in flight at
-        once, then whatever follows ``size`` (a file that grew, or one whose size says 0)."""
+        """The file's bytes: its ``size`` bytes with READS_IN_FLIGHT requests of CHUNK bytes
+        outstanding at once, then whatever follows (a file that grew, or one whose size says
+        0), read one request at a time."""
         try:
             with self.sftp.open(path, "rb") as handle:
                 handle.MAX_REQUEST_SIZE = CHUNK
-                offset = 0
-                while offset < size:
-                    end = min(size, offset + READ_WINDOW)
-                    chunks = [(at, min(CHUNK, end - at)) for at in range(offset, end, CHUNK)]
-                    for data in handle.readv(chunks):
-                        self.advance(len(data))
-                        yield data
-                    offset = end
-                handle.seek(offset)
+                got = yield from self._read_pipelined(handle, size)
+                handle.seek(got)
                 while data := handle.read(CHUNK):
                     self.advance(len(data))
                     yield data
         except OSError as exc:
             raise self.guest_error(exc, path, "read") from exc
+
+    def _read_pipelined(self, handle: paramiko.SFTPFile, size: int) -> Generator[bytes, None, int]:
+        """Up to ``size`` bytes from offset 0, as the writes above: a steady pipeline of read
+        requests through paramiko's request methods, whose answers OpenSSH's sftp-server sends
+        in order (paramiko's ``readv`` waits for a whole window before asking for the next,
+        and looks its buffers over once per piece). Stops at a short read (a file that
+        shrank); returns the bytes read."""
+        from paramiko.sftp import CMD_DATA, CMD_READ, int64
+
+        sftp: Any = self.sftp
+        waiting: deque[tuple[int, int]] = deque()  # (request, bytes asked for)
+        asked = got = 0
+        while asked < size or waiting:
+            while asked < size and len(waiting) < READS_IN_FLIGHT:
+                length = min(CHUNK, size - asked)
+                request = sftp._async_request(
+                    type(None), CMD_READ, handle.handle, int64(asked), length
+                )
+                waiting.append((request, length))
+                asked += length
+            request, length = waiting.popleft()
+            kind, msg = sftp._read_response(request)
+            data = msg.get_string() if kind == CMD_DATA else b""
+            got += len(data)
+            self.advance(len(data))
+            yield data
+            if len(data) < length:  # the file shrank: what is still asked for is past its end
+                for request, _ in waiting:
+                    with contextlib.suppress(EOFError, OSError):
+                        sftp._read_response(request)
+                break
+        return got

@@ -124,5 +124,7 @@ class Reaper:
                 log.warning("could not reap sandbox %s: %s", name, error.get("message"))
 
     def close(self) -> None:
+        """Stop; a round under way finishes first."""
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
