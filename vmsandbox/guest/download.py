@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import paramiko
 
 
-def download(files: GuestFiles, remote: str, local: Path) -> TransferSummary:
+def download(files: GuestFiles, remote: str, local: str | Path) -> TransferSummary:
     """Copy file or folder ``remote`` of the guest to ``local``: into ``local`` when it is
     a folder, else to that path (whose folder must exist). ``remote`` ending in ``/.``
     copies a folder's contents into ``local``."""

@@ -9,6 +9,7 @@ which sshd drops unless configured to accept them.
 
 from __future__ import annotations
 
+import io
 import re
 import select
 import shlex
@@ -140,13 +141,11 @@ class ExecStream:
             self._client.close()
             raise
         self._feeder: threading.Thread | None = None
-        if isinstance(stdin, bytes | bytearray):
-            self._channel.sendall(bytes(stdin))
+        if stdin is None:
             self._channel.shutdown_write()
-        elif stdin is None:
-            self._channel.shutdown_write()
-        else:
-            self._feeder = threading.Thread(target=self._feed, args=(stdin,), daemon=True)
+        else:  # fed from a thread: a command may write much before it reads its input
+            source = io.BytesIO(bytes(stdin)) if isinstance(stdin, bytes | bytearray) else stdin
+            self._feeder = threading.Thread(target=self._feed, args=(source,), daemon=True)
             self._feeder.start()
 
     def _feed(self, stdin: IO[bytes]) -> None:

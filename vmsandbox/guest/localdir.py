@@ -105,11 +105,12 @@ class LocalDir:
             self.fd = -1
 
 
-def open_parent(local: Path, name: str, contents: bool) -> tuple[LocalDir, str]:
+def open_parent(local: str | Path, name: str, contents: bool) -> tuple[LocalDir, str]:
     """Where a download of an entry called ``name`` lands at ``local``: into ``local`` when it
     is a folder (unless ``contents``: a folder's contents copied into ``local`` itself), else
     at ``local``, whose folder must exist (NOT_FOUND naming it)."""
-    text = str(local)
+    text = str(local)  # as written: a Path drops a trailing "/"
+    local = Path(local)
     if local.is_dir() and not contents:
         folder, entry = local, name
     else:

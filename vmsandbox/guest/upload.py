@@ -23,17 +23,18 @@ from vmsandbox.guest.transfer import (
 )
 
 
-def upload(files: GuestFiles, local: Path, remote: str) -> TransferSummary:
+def upload(files: GuestFiles, local: str | Path, remote: str) -> TransferSummary:
     """Copy file or folder ``local`` to ``remote`` in the guest: into ``remote`` when it
-    is a folder, else to that path (whose folder must exist). ``local`` ending in ``/.``
-    copies a folder's contents into ``remote``."""
+    is a folder, else to that path (whose folder must exist). ``local`` written ending in
+    ``/.`` (a string: a Path drops it) copies a folder's contents into ``remote``."""
     started = time.monotonic()
     contents = str(local).endswith("/.")
+    local = Path(local)
     try:
         st = os.stat(local)
     except OSError as exc:
         raise host_error(exc, str(local), "read") from exc
-    target = _upload_target(files, remote, Path(os.path.normpath(local)).name, contents, st)
+    target = _upload_target(files, remote, Path(os.path.abspath(local)).name, contents, st)
     summary = TransferSummary(str(local), files.where(target))
     files.done, files.total = 0, local_size(local)
     files.check_room(posixpath.dirname(target) or "/", files.total)

@@ -134,7 +134,7 @@ class SandboxAccess:
         folder. Permission bits and modification times are kept; a file appears only whole."""
         with self.files(name, progress=progress) as files:
             if isinstance(source, str | Path):
-                return upload.upload(files, Path(source), destination)
+                return upload.upload(files, source, destination)
             return upload.upload_stream(files, source, destination, mode)
 
     def download(
@@ -150,7 +150,7 @@ class SandboxAccess:
         chunk. Links that point out of a copied folder are not made (``skipped``)."""
         with self.files(name, progress=progress) as files:
             if isinstance(destination, str | Path):
-                return download.download(files, source, Path(destination))
+                return download.download(files, source, destination)
             return download.download_stream(files, source, destination)
 
     # -- ports --------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ VALUES = st.text(
 
 
 def sh(line: str) -> str:
-    return subprocess.run(["sh", "-c", line], capture_output=True, text=True, check=True).stdout
+    """What ``line`` prints, byte for byte (no newline translation)."""
+    return subprocess.run(["sh", "-c", line], capture_output=True, check=True).stdout.decode()
 
 
 @settings(max_examples=40, deadline=None)

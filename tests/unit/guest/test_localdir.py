@@ -19,9 +19,13 @@ def test_a_link_where_a_folder_goes_is_refused_not_followed(tmp_path: Path) -> N
     dest = tmp_path / "dest"
     dest.mkdir()
     (dest / "sub").symlink_to(outside)
-    parent, _ = open_parent(dest, "ignored", contents=True)
+    parent, name = open_parent(dest, "ignored", contents=True)
+    folder = parent.child_dir(name)
     with pytest.raises(FailedPrecondition, match="never writes through a link"):
-        parent.child_dir("sub")
+        folder.child_dir("sub")
+    folder.write_file("sub", [b"x"], 0o644, None)  # a file of that name replaces the link
+    folder.close()
+    assert (dest / "sub").read_bytes() == b"x" and not (dest / "sub").is_symlink()
     parent.close()
     assert list(outside.iterdir()) == []
 
@@ -72,6 +76,6 @@ def test_where_a_download_lands(tmp_path: Path) -> None:
     with pytest.raises(NotFound, match="no such folder on this host"):
         open_parent(tmp_path / "none" / "x", "g", contents=False)
     with pytest.raises(NotFound):
-        open_parent(Path(str(tmp_path / "none") + "/"), "g", contents=False)
+        open_parent(f"{tmp_path}/none/", "g", contents=False)
     with pytest.raises(InvalidArgument):
         open_parent(Path("/"), "", contents=True)
