@@ -4,6 +4,7 @@ nothing at all when libvirt cannot list every sandbox."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -161,3 +162,30 @@ def test_another_state_directorys_expired_sandbox_is_left_to_its_own_reaper(
     with SandboxManager(unit_config(tmp_path / "ours"), hypervisor=hv, reconcile=False) as ours:
         assert ours.reap().destroyed == []
     assert "vmsbx-theirs" in hv.domains
+
+
+def test_the_reaper_reaps_every_round_and_outlives_a_failed_one() -> None:
+    """``vmsandbox serve``'s reaper: a round that fails (libvirtd away) is logged and the next
+    one runs; ``close`` stops it."""
+    import threading
+
+    from vmsandbox.sandbox.lifetime import Reaped, Reaper
+
+    rounds: list[int] = []
+    enough = threading.Event()
+
+    def reap_once() -> Reaped:
+        rounds.append(len(rounds))
+        if len(rounds) == 1:
+            raise Unavailable("libvirtd went away")
+        if len(rounds) >= 3:
+            enough.set()
+        return Reaped(destroyed=["old"])
+
+    reaper = Reaper(reap_once, every=0.01)
+    reaper.start()
+    assert enough.wait(10)
+    reaper.close()
+    done = len(rounds)
+    time.sleep(0.05)
+    assert len(rounds) == done >= 3
