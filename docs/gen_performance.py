@@ -95,6 +95,13 @@ ABOUT: dict[str, tuple[str, str]] = {
         "claiming a GPU-ready pooled guest (the card attached live), each to ready with the "
         "in-guest verification.",
     ),
+    "transfer": (
+        "Copying a large file",
+        "A: `vmsandbox cp` of a file of random bytes into a sandbox and out of it, each a whole "
+        "process (start-up, libvirt lookup, SSH handshake included). B: plain `scp` with the "
+        "same key and known hosts (the ssh_config `vmsandbox ssh-config` prints). The target is "
+        "vmsandbox's throughput at least 0.9x scp's each way.",
+    ),
 }
 VERDICTS = {True: "met", False: "missed", None: "-"}
 

@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--disk", type=_size_gib, default=4, help="e.g. 20 (GiB), 20G (default 4)")
     create.add_argument("--virt-type", choices=("auto", "kvm", "qemu"), default="auto")
     create.add_argument("--timeout", type=_seconds, help="seconds to wait for SSH")
+    from vmsandbox.cli.lifetime import ttl
+
+    create.add_argument(
+        "--ttl", type=ttl, metavar="DURATION", help="destroy it after this long (30m, 2h, 1d)"
+    )
     create.add_argument("--no-wait", action="store_true", help="return once the domain runs")
     create.add_argument(
         "--no-refill",
@@ -149,12 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     exec_.add_argument("name")
     exec_.add_argument("argv", nargs="*", help="-- CMD [ARGS...] (after '--', whole)")
     exec_.add_argument("--timeout", type=_seconds)
+    from vmsandbox.cli.access import add_exec_options, add_ssh_options
+
+    add_exec_options(exec_)
 
     ssh = sub.add_parser(
         "ssh", parents=common, help="interactive OpenSSH session with the pinned host key"
     )
     ssh.add_argument("name")
-    ssh.add_argument("argv", nargs="*", help="[-- CMD [ARGS...]]")
+    add_ssh_options(ssh)
 
     destroy = sub.add_parser("destroy", parents=common, help="stop and remove sandboxes")
     destroy.add_argument("names", nargs="+")
@@ -235,19 +243,18 @@ def build_parser() -> argparse.ArgumentParser:
     from vmsandbox.fleet.cli import add_parser as add_fleet  # no Ray: that comes when one runs
 
     add_fleet(sub, common)
+    from vmsandbox.cli import access, completion, files, lifetime
+
+    for module in (files, access, lifetime, completion):
+        module.add_parsers(sub, common)
     return parser
 
 
 # Options whose value may be typed negative: argparse would take "-1G" for an option and answer
 # "expected one argument"; glued as "--memory=-1G", the value reaches its check and is named.
 _NUMBER_OPTIONS = (
-    "--memory",
-    "--disk",
-    "--cpus",
-    "--timeout",
-    "--grace",
-    "--gpu-count",
-    "--gpu-memory",
+    *("--memory", "--disk", "--cpus", "--timeout", "--grace", "--gpu-count", "--gpu-memory"),
+    *("--ttl", "--lines"),
 )
 
 

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vmsandbox.cli import images
+from vmsandbox.cli import access, common, completion, files, images, lifetime
 from vmsandbox.cli.args import build_parser, glue_negative_values
 from vmsandbox.cli.output import (
     EXIT_BROKEN_PIPE,
@@ -50,12 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Until the arguments parse, --json anywhere in ours chooses how their error is shown.
     out: Output = JsonOutput() if "--json" in ours else Output()
     try:
+        completion.complete(build_parser())  # the shell asking for completions: answered, exit
         if not [arg for arg in ours if arg != "--json"]:
             if not out.json:
                 build_parser().print_help()
             raise InvalidArgument("vmsandbox: give a command ('vmsandbox --help' lists them)")
         args = _parse(ours)
-        out = JsonOutput() if args.json else Output()
+        wants_json = args.json or "--json" in getattr(args, "ssh_options", ())
+        out = JsonOutput() if wants_json else Output()
         _refuse_json(args)
         if guest_argv is not None:
             if args.argv:
@@ -97,7 +99,8 @@ def _parse(ours: list[str]) -> argparse.Namespace:
 
 
 def _refuse_json(args: argparse.Namespace) -> None:
-    if not args.json:
+    # ssh hands what follows its name to OpenSSH, so its --json arrives among them
+    if not (args.json or "--json" in getattr(args, "ssh_options", ())):
         return
     for command, why in NO_JSON.items():
         if (args.command, getattr(args, "fleet_command", None))[: len(command)] == command:
@@ -116,14 +119,6 @@ def split_guest_command(args_list: list[str]) -> tuple[list[str], list[str] | No
         cut = args_list.index("--")
         return args_list[:cut], args_list[cut + 1 :]
     return args_list, None
-
-
-def _manager(*, progress: bool = False, reconcile: bool = False) -> Any:
-    """A SandboxManager; ``reconcile`` only for the commands that repair (create, reconcile)."""
-    from vmsandbox.progress import StderrProgress, silent
-    from vmsandbox.sandbox.manager import SandboxManager
-
-    return SandboxManager(progress=StderrProgress() if progress else silent, reconcile=reconcile)
 
 
 def _cmd_create(args: argparse.Namespace, out: Output) -> int:
@@ -147,10 +142,11 @@ def _cmd_create(args: argparse.Namespace, out: Output) -> int:
         disk_gib=args.disk,
         virt_type=args.virt_type,
         gpu=gpu_request,
+        ttl=args.ttl,
     )
     if args.dry_run:
         return _dry_run(spec, out)
-    with _manager(progress=True, reconcile=True) as manager:
+    with common.manager(progress=True, reconcile=True) as manager:
         sandbox = manager.create(
             spec,
             wait=not args.no_wait,
@@ -168,7 +164,7 @@ def _dry_run(spec: Any, out: Output) -> int:
     ``--json`` one object: the record create would write (``plan``), the GPUs and the XML."""
     from vmsandbox.sandbox.dryrun import dry_run
 
-    with _manager() as manager:
+    with common.manager() as manager:
         planned = dry_run(manager, spec)
     xml = planned.xml()
     if out.json:
@@ -182,7 +178,7 @@ def _dry_run(spec: Any, out: Output) -> int:
 
 
 def _cmd_list(_args: argparse.Namespace, out: Output) -> int:
-    with _manager() as manager:
+    with common.manager() as manager:
         sandboxes = [sandbox.to_dict() for sandbox in manager.list()]
     rows = [
         (
@@ -193,46 +189,21 @@ def _cmd_list(_args: argparse.Namespace, out: Output) -> int:
             f"{s['memory_mib']}M",
             f"{s['ssh']['host']}:{s['ssh']['port']}" if s["ssh"] else "-",
             ",".join(g.get("bdf", "?") for g in s["gpus"]) or "-",
+            lifetime.time_left(s),
         )
         for s in sandboxes
     ]
-    shown = table(("NAME", "STATE", "IMAGE", "CPUS", "MEMORY", "SSH", "GPUS"), rows)
+    headers = ("NAME", "STATE", "IMAGE", "CPUS", "MEMORY", "SSH", "GPUS", "EXPIRES")
+    shown = table(headers, rows)
     out.result({"sandboxes": sandboxes}, shown if rows else "no sandboxes")
     return 0
 
 
 def _cmd_show(args: argparse.Namespace, out: Output) -> int:
-    with _manager() as manager:
+    with common.manager() as manager:
         data = manager.get(args.name).to_dict()
     out.result(data, describe(data))
     return 0
-
-
-def _cmd_exec(args: argparse.Namespace, out: Output) -> int:
-    """The guest command's exit status is the command's own; streamed, or with ``--json``
-    collected into one object (exit_status, signal, stdout, stderr)."""
-    if not args.argv:
-        raise InvalidArgument("exec needs a command: vmsandbox exec NAME -- CMD [ARGS...]")
-    streams = {} if out.json else {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
-    with _manager() as manager:
-        result = manager.exec(args.name, list(args.argv), timeout=args.timeout, **streams)
-    if out.json:
-        out.result(result.to_dict(), "")
-    elif result.signal is not None:
-        print(
-            f"vmsandbox: the guest command was killed by signal {result.signal} "
-            f"(exit status {result.exit_status})",
-            file=sys.stderr,
-        )
-    return result.exit_status
-
-
-def _cmd_ssh(args: argparse.Namespace, _out: Output) -> int:
-    with _manager() as manager:
-        command = manager.ssh_argv(args.name, list(args.argv))
-    sys.stdout.flush()
-    os.execvp(command[0], command)
-    return 0  # not reached
 
 
 def _cmd_destroy(args: argparse.Namespace, out: Output) -> int:
@@ -243,7 +214,7 @@ def _cmd_destroy(args: argparse.Namespace, out: Output) -> int:
     for name in args.names:
         validate_name(name)
     destroyed: list[str] = []
-    with _manager() as manager:
+    with common.manager() as manager:
         for name in args.names:
             try:
                 manager.destroy(name)
@@ -264,14 +235,14 @@ def _cmd_destroy(args: argparse.Namespace, out: Output) -> int:
 
 
 def _cmd_stop(args: argparse.Namespace, out: Output) -> int:
-    with _manager(progress=not args.json) as manager:
+    with common.manager(progress=not args.json) as manager:
         data = manager.stop(args.name, grace=args.grace).to_dict()
     out.result(data, f"stopped {args.name}")
     return 0
 
 
 def _cmd_start(args: argparse.Namespace, out: Output) -> int:
-    with _manager(progress=not args.json) as manager:
+    with common.manager(progress=not args.json) as manager:
         data = manager.start(
             args.name, wait=not args.no_wait, verify=not args.no_verify, timeout=args.timeout
         ).to_dict()
@@ -292,7 +263,7 @@ def _cmd_fleet(args: argparse.Namespace, out: Output) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace, out: Output) -> int:
-    with _manager() as manager:
+    with common.manager() as manager:
         report = manager.verify(args.name)
     out.result(report, report_table(report).rstrip("\n"))
     return 0 if report["ok"] else EXIT_CODES["FAILED_PRECONDITION"]
@@ -302,7 +273,7 @@ def _cmd_gpus(_args: argparse.Namespace, out: Output) -> int:
     from vmsandbox.gpu.fabric.render import report
     from vmsandbox.host import render_table
 
-    with _manager() as manager:
+    with common.manager() as manager:
         inventory = manager.gpus()
         fabric_text, fabric = report(manager.config, inventory)
     out.result(
@@ -313,7 +284,7 @@ def _cmd_gpus(_args: argparse.Namespace, out: Output) -> int:
 
 
 def _cmd_reconcile(_args: argparse.Namespace, out: Output) -> int:
-    with _manager() as manager:
+    with common.manager() as manager:
         report = manager.reconcile()
     text = "\n".join(
         [f"removed {name}" for name in report["removed"]]
@@ -327,7 +298,7 @@ def _cmd_reconcile(_args: argparse.Namespace, out: Output) -> int:
 def _cmd_pool(args: argparse.Namespace, out: Output) -> int:
     """``pool``: the shapes and their guests, and pooled guests of no shape; ``pool fill``
     blocks until every shape is full; ``pool drain`` removes the guests not claimed yet."""
-    with _manager(progress=args.pool_command == "fill", reconcile=True) as manager:
+    with common.manager(progress=args.pool_command == "fill", reconcile=True) as manager:
         if args.pool_command == "fill":
             made = manager.pool.fill(if_idle=args.if_idle)
             full = "full" if manager.config.pool else "no [pool] shapes configured: nothing to fill"
@@ -367,8 +338,6 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "create": _cmd_create,
     "list": _cmd_list,
     "show": _cmd_show,
-    "exec": _cmd_exec,
-    "ssh": _cmd_ssh,
     "destroy": _cmd_destroy,
     "stop": _cmd_stop,
     "start": _cmd_start,
@@ -379,4 +348,8 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "images": images.run,
     "pool": _cmd_pool,
     "fleet": _cmd_fleet,
+    **files.HANDLERS,
+    **access.HANDLERS,
+    **lifetime.HANDLERS,
+    **completion.HANDLERS,
 }

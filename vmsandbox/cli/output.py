@@ -74,6 +74,7 @@ def describe(data: dict[str, Any]) -> str:
     """A sandbox as ``create``, ``show`` and ``start`` print it: its state with what that
     means (and why it failed), size, SSH, where its domain and console log are, how long its
     boot (or claim) took, its GPUs and their verification."""
+    from vmsandbox.cli.lifetime import expiry_line
     from vmsandbox.sandbox.record import STATE_MEANINGS
 
     ssh = data.get("ssh")
@@ -95,6 +96,8 @@ def describe(data: dict[str, Any]) -> str:
     ]
     if data.get("console_log"):
         lines.append(f"console:   {data['console_log']}")
+    if expires := expiry_line(data):
+        lines.append(expires)
     if data.get("stage_seconds"):
         seconds = sum(data["stage_seconds"].values())
         steps = ", ".join(f"{step} {secs:.3f}s" for step, secs in data["stage_seconds"].items())

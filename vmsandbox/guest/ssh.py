@@ -421,22 +421,3 @@ def shell_command(command: Sequence[str] | str) -> str:
             details={"field": "command"},
         )
     return command
-
-
-def ssh_argv(endpoint: Endpoint, keys: SandboxKeys, command: Sequence[str] = ()) -> list[str]:
-    """The OpenSSH command line that logs into ``endpoint`` with the pinned host key only."""
-    return [
-        "ssh",
-        *("-i", str(keys.client_key)),
-        *("-o", "IdentitiesOnly=yes"),
-        *("-o", "IdentityAgent=none"),
-        *("-o", f"UserKnownHostsFile={keys.known_hosts}"),
-        *("-o", "GlobalKnownHostsFile=/dev/null"),
-        *("-o", "StrictHostKeyChecking=yes"),
-        *("-o", f"HostKeyAlias={keys.host_alias}"),
-        *("-o", "PasswordAuthentication=no"),
-        *("-p", str(endpoint.port)),
-        *("-l", endpoint.user),
-        endpoint.host,
-        *(["--", *command] if command else []),
-    ]

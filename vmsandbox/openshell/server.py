@@ -1,5 +1,6 @@
 """``vmsandbox serve --openshell-socket PATH``: the compute driver in the foreground until
-SIGTERM or SIGINT, logging to stderr. The socket also serves ``vmsandbox.host.v1.HostInfo``
+SIGTERM or SIGINT, logging to stderr; it also reaps the sandboxes whose lifetime has ended
+(``create --ttl``), every minute. The socket also serves ``vmsandbox.host.v1.HostInfo``
 (hostinfo.py), which a fleet agent on this host reads.
 
 gRPC listens on a socket in a private 0700 folder; the gateway's socket at PATH is served by a
@@ -29,6 +30,7 @@ from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
 from vmsandbox.openshell.service import ComputeDriver
 from vmsandbox.openshell.socket import PeerGate, Peers, allowed_uids
+from vmsandbox.sandbox.lifetime import Reaped, Reaper
 from vmsandbox.sandbox.manager import SandboxManager
 
 log = logging.getLogger("vmsandbox.openshell")
@@ -75,6 +77,7 @@ def serve(
     info_grpc.add_HostInfoServicer_to_server(HostInfo(config, peers=peers), server)
     server.add_insecure_port(f"unix:{backend}")
     gate: PeerGate | None = None
+    reaper = Reaper(lambda: _reap(config))  # sandboxes whose lifetime ended (create --ttl)
     try:
         if metrics is not None and metrics_address:
             metrics.serve(metrics_address)
@@ -82,11 +85,13 @@ def serve(
         gate = PeerGate(Path(socket_path), backend, allowed_uids(config), peers)
         gate.start()
         driver.resume()
+        reaper.start()
         log.info("serving the OpenShell compute driver on %s", socket_path)
         while not stop.wait(_SIGNAL_POLL):
             pass
         log.info("stopping")
     finally:  # a failure to start propagates: the CLI prints its code and message
+        reaper.close()
         if gate is not None:
             gate.close()
         server.stop(_STOP_GRACE).wait()
@@ -95,3 +100,8 @@ def serve(
         backend.unlink(missing_ok=True)
         private.rmdir()
     return 0
+
+
+def _reap(config: Config) -> Reaped:
+    with SandboxManager(config, reconcile=False) as manager:
+        return manager.reap()

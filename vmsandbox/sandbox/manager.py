@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.guest import ssh
-from vmsandbox.guest.keys import SandboxKeys
 from vmsandbox.host.numa import host_cpus_by_node
 from vmsandbox.image.store import BaseImage, ImageStore
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
-from vmsandbox.sandbox import create, dryrun, power, reserve, runner, teardown
+from vmsandbox.sandbox import create, dryrun, lifetime, power, reserve, runner, teardown
 from vmsandbox.sandbox import plan as planner
+from vmsandbox.sandbox.access import SandboxAccess
 from vmsandbox.sandbox.boot import check_timeout
 from vmsandbox.sandbox.create import Creation
 from vmsandbox.sandbox.handle import Sandbox
@@ -34,14 +34,12 @@ from vmsandbox.sandbox.reconcile import reconcile as reconcile_sandboxes
 from vmsandbox.sandbox.record import (
     STATE_READY,
     SandboxFiles,
-    SandboxRecord,
     prepare_state_dirs,
 )
 from vmsandbox.sandbox.settle import UNSETTLED, require_running, settle, settle_all
 from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 from vmsandbox.sandbox.store import SandboxStore
 from vmsandbox.vm import virt
-from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor, LibvirtHypervisor
 
 if TYPE_CHECKING:
@@ -50,7 +48,7 @@ if TYPE_CHECKING:
     from vmsandbox.host.model import Gpu, Inventory
 
 
-class SandboxManager:
+class SandboxManager(SandboxAccess):
     """Create, find, use, stop, start and destroy sandboxes on one host.
 
     ``checkpoint(stage)`` is called after each create step (see create.py); the crash tests
@@ -226,42 +224,6 @@ class SandboxManager:
         views = (self.store.view(f.record, f.state, f.uuid) for f in settled)
         return sorted(views, key=lambda sandbox: sandbox.name)
 
-    # -- use ----------------------------------------------------------------------------------
-
-    def keys_of(self, sandbox: Sandbox) -> SandboxKeys:
-        stem = sandbox.domain.removeprefix(DOMAIN_PREFIX)  # a claimed guest's files keep its name
-        return SandboxFiles.of(self.config, stem).keys(sandbox.host_key_alias)
-
-    def _endpoint(self, record: SandboxRecord) -> ssh.Endpoint:
-        if record.ssh.port is None:
-            raise FailedPrecondition(f"sandbox {record.name!r} has no SSH endpoint yet")
-        return ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user)
-
-    def exec(
-        self,
-        name: str,
-        command: Sequence[str] | str,
-        *,
-        timeout: float | None = None,
-        stdout: IO[bytes] | None = None,
-        stderr: IO[bytes] | None = None,
-    ) -> ssh.ExecResult:
-        """Run a command in the sandbox: a list is quoted word by word; a string is a shell line."""
-        check_timeout(timeout)
-        command = ssh.shell_command(command)
-        sandbox = self.get(name)
-        require_running(sandbox, "run a command in")
-        assert sandbox.ssh is not None  # require_running
-        keys = self.keys_of(sandbox)
-        return ssh.run(sandbox.ssh, keys, command, timeout=timeout, stdout=stdout, stderr=stderr)
-
-    def ssh_argv(self, name: str, command: Sequence[str] = ()) -> builtins.list[str]:
-        """The OpenSSH command line that logs into the sandbox with its pinned host key."""
-        sandbox = self.get(name)
-        require_running(sandbox, "log into")
-        assert sandbox.ssh is not None  # require_running
-        return ssh.ssh_argv(sandbox.ssh, self.keys_of(sandbox), command)
-
     # -- power (power.py) ----------------------------------------------------------------------
 
     def stop(self, name: str, *, grace: float = 60.0, uuid: str | None = None) -> Sandbox:
@@ -320,6 +282,19 @@ class SandboxManager:
         (with ``uuid``: only in the sandbox of that identity, NOT_FOUND otherwise)."""
         with self.locked("record a runtime generation"):
             return self.store.update(name, uuid=uuid, generation=generation)
+
+    # -- lifetime (lifetime.py) --------------------------------------------------------------
+
+    def extend(self, name: str, seconds: float) -> Sandbox:
+        """Push the end of sandbox ``name``'s lifetime ``seconds`` later (from now, once it has
+        passed); FAILED_PRECONDITION for a sandbox created without one (``SandboxSpec.ttl``)."""
+        return lifetime.extend(self.store, self.locked, name, seconds)
+
+    def reap(self) -> lifetime.Reaped:
+        """Destroy this state directory's sandboxes whose lifetime has ended; what was
+        destroyed, and what could not be and why. A libvirt error listing the sandboxes
+        propagates before anything is destroyed."""
+        return lifetime.reap(self.store, lambda name, uuid: self.destroy(name, uuid=uuid))
 
     # -- destroy ------------------------------------------------------------------------------
 

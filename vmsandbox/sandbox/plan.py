@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from vmsandbox.errors import InvalidArgument, ResourceExhausted
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.image.build import KERNEL_CMDLINE, LATE_NIC_ARG
 from vmsandbox.image.store import BaseImage
+from vmsandbox.sandbox import expiry
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
     HotplugRecord,
@@ -109,7 +109,7 @@ def plan(
         mac=mac,
         keys=str(files.keys_dir),
         host_key_alias=alias,
-        created_at=created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        created_at=created_at or expiry.stamp(expiry.now()),
         creator=creator,
         labels=dict(spec.labels),
         credential=spec.credential,
@@ -118,6 +118,7 @@ def plan(
         fabric_partition=partition.id if partition else None,
         switches=tuple(switches),
         hotplug=_hotplug_record(hotplug),
+        expires_at=expiry.ends_at(spec.ttl),
     )
     image_dir = image.path if image else config.images / spec.image / "current"
     domain = domain_xml.DomainPlan(

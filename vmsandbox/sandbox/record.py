@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 # 7: ``generation``, the runtime generation the OpenShell gateway last started it with.
 # 8: ``owner``, who asked for it through the OpenShell driver (openshell/caller.py).
 # 9: ``boot_seconds``, how long its last boot took to answer SSH (shown by ``show``).
-SCHEMA_VERSION = 9
+# 10: ``expires_at``, the end of a sandbox's lifetime (``create --ttl``; lifetime.py).
+SCHEMA_VERSION = 10
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
@@ -145,6 +146,9 @@ class SandboxRecord:
     owner: str | None = None
     # Seconds its last boot took until SSH answered (create or start); None: not waited for.
     boot_seconds: float | None = None
+    # When the sandbox's lifetime ends (UTC, ``%Y-%m-%dT%H:%M:%SZ``): ``vmsandbox reap``
+    # destroys it from then on. None: it lives until destroyed.
+    expires_at: str | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -192,6 +196,7 @@ class SandboxRecord:
             "generation": self.generation,
             "owner": self.owner,
             "boot_seconds": self.boot_seconds,
+            "expires_at": self.expires_at,
         }
 
     @classmethod
@@ -200,7 +205,8 @@ class SandboxRecord:
         records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``),
         version 2 (no ``failure``, no ``starter``), version 3 (no ``guest``) and version 4 (no
         ``credential``), version 5 (no ``hotplug``), version 6 (no ``generation``), version 7
-        (no ``owner``) and version 8 (no ``boot_seconds``).
+        (no ``owner``), version 8 (no ``boot_seconds``) and version 9 (no ``expires_at``: no
+        lifetime).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -252,6 +258,7 @@ class SandboxRecord:
             generation=str(data["generation"]) if data.get("generation") else None,
             owner=str(data["owner"]) if data.get("owner") else None,
             boot_seconds=_optional_float(data.get("boot_seconds")),
+            expires_at=str(data["expires_at"]) if data.get("expires_at") else None,
             version=SCHEMA_VERSION,
         )
 

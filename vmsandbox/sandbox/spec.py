@@ -14,7 +14,7 @@ from vmsandbox.errors import InvalidArgument
 from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.guest.setup import GuestSetup
 from vmsandbox.sandbox.credential import check as check_credential
-from vmsandbox.validate import positive_int, validate_image_name, validate_name
+from vmsandbox.validate import check_duration, positive_int, validate_image_name, validate_name
 
 VIRT_TYPES = ("auto", "kvm", "qemu")
 
@@ -43,6 +43,9 @@ class SandboxSpec:
     # Who asks, when a driver asks for a caller (the OpenShell driver's gateway identity,
     # openshell/caller.py): kept in the record, never interpreted here.
     owner: str | None = None
+    # Seconds the sandbox lives, from its create: ``vmsandbox reap`` (or ``serve``) destroys it
+    # after that (lifetime.py). None: it lives until destroyed.
+    ttl: int | float | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -66,6 +69,8 @@ class SandboxSpec:
                 f"guest must be a GuestSetup or None, got {type(self.guest).__name__}",
                 details={"field": "guest"},
             )
+        if self.ttl is not None:
+            check_duration(self.ttl, "ttl")
         if self.credential is not None:
             check_credential(self.credential, "credential")
         if self.owner is not None and (

@@ -8,9 +8,14 @@ colours and cursor moves included; what is shown is stripped of those.
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from vmsandbox.errors import NotFound
 
 # Escape sequences of the guest console (colours, cursor moves): never echoed to a terminal.
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
@@ -102,6 +107,58 @@ def tail(path: Path, lines: int) -> str:
 def kernel_started(path: Path) -> bool:
     """Whether the console log shows any sign of a kernel (KERNEL_SIGN_RE) in its last lines."""
     return KERNEL_SIGN_RE.search(tail(path, 200)) is not None
+
+
+def read_lines(path: Path, lines: int | None = None) -> str:
+    """The whole console log, or its last ``lines`` lines, cleaned (read from the end: a long
+    log is never read whole for a few lines). NOT_FOUND when there is no log yet."""
+    try:
+        with path.open("rb") as handle:
+            if lines is None:
+                return clean(handle.read().decode(errors="replace"))
+            size = handle.seek(0, os.SEEK_END)
+            back = _TAIL_BYTES
+            while True:
+                handle.seek(max(0, size - back))
+                text = clean(handle.read().decode(errors="replace"))
+                if back >= size or text.count("\n") > lines:
+                    return "\n".join(text.splitlines()[-lines:]) if lines else ""
+                back *= 4
+    except FileNotFoundError as exc:
+        raise NotFound(f"no console log at {path} (the guest never started?)") from exc
+
+
+def follow(path: Path, lines: int | None = 10, poll: float = 0.2) -> Iterator[str]:
+    """The last ``lines`` lines of the console log, then every line the guest adds (cleaned),
+    as it comes; a log that starts over (the guest started again) is followed from its top.
+    Ends when the log is removed (the sandbox destroyed)."""
+    backlog = read_lines(path, lines)
+    yield from backlog.splitlines()
+    try:
+        offset = path.stat().st_size
+    except FileNotFoundError:
+        return
+    partial = ""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may split
+    while True:
+        try:
+            with path.open("rb") as handle:
+                if os.fstat(handle.fileno()).st_size < offset:
+                    offset, partial = 0, ""
+                    decoder.reset()
+                handle.seek(offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            if partial:
+                yield clean(partial)
+            return
+        offset += len(chunk)
+        pieces = (partial + decoder.decode(chunk)).split("\n")
+        partial = pieces.pop()
+        for piece in pieces:
+            yield clean(piece)
+        if not chunk:
+            time.sleep(poll)
 
 
 def stage(path: Path) -> str:

@@ -4,7 +4,9 @@ the right exit status, and ``--json`` gives one documented shape per command or 
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +17,7 @@ from framework.fake_hypervisor import FakeHypervisor, unit_config
 from framework.fake_pool import pooled_guest
 
 from vmsandbox import __version__
-from vmsandbox.cli import commands
+from vmsandbox.cli import commands, common
 from vmsandbox.config import Config
 from vmsandbox.guest.ssh import ExecResult
 from vmsandbox.sandbox.manager import SandboxManager
@@ -40,7 +42,7 @@ def manager(
 ) -> Iterator[SandboxManager]:
     """The manager every command of the CLI gets (in place of one on libvirt)."""
     with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
-        monkeypatch.setattr(commands, "_manager", lambda **_kw: _Borrowed(mgr))
+        monkeypatch.setattr(common, "manager", lambda **_kw: _Borrowed(mgr))
         monkeypatch.setenv("VMSANDBOX_CONFIG", "/nonexistent")
         monkeypatch.setenv("VMSANDBOX_STATE_DIR", str(config.state_dir))
         monkeypatch.setenv("VMSANDBOX_IMAGE_DIR", str(config.images))
@@ -214,6 +216,7 @@ def test_exec_json_gives_stdout_stderr_and_the_exit_status(
         return ExecResult(3, "out\n", "err\n")
 
     monkeypatch.setattr(manager, "exec", exec_)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))  # a script's empty input
     code, out, _err = run(capsys, "exec", "box", "--json", "--", "false")
     assert code == 3
     assert json.loads(out) == {
@@ -227,8 +230,22 @@ def test_exec_json_gives_stdout_stderr_and_the_exit_status(
 def test_exec_says_when_the_guest_command_was_killed_by_a_signal(
     manager: SandboxManager, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(manager, "exec", lambda *_a, **_k: ExecResult(137, "", "", "KILL"))
-    code, _out, err = run(capsys, "exec", "box", "--", "sleep", "100")
+    class Killed:
+        """An ExecStream whose command was killed by SIGKILL, having said nothing."""
+
+        exit_status, signal = 137, "KILL"
+
+        def __enter__(self) -> Killed:
+            return self
+
+        def __exit__(self, *_exc: object) -> None:
+            pass
+
+        def __iter__(self) -> Any:
+            return iter(())
+
+    monkeypatch.setattr(manager, "stream", lambda *_a, **_k: Killed())
+    code, _out, err = run(capsys, "exec", "box", "-n", "--", "sleep", "100")
     assert code == 137
     assert err == "vmsandbox: the guest command was killed by signal KILL (exit status 137)\n"
 
@@ -323,7 +340,7 @@ def test_pool_shows_guests_of_no_configured_shape(
         guest = pooled_guest(filler)
         unpooled = replace(filler.config, pool=())
     with SandboxManager(unpooled, hypervisor=hv, reconcile=False) as mgr:
-        monkeypatch.setattr(commands, "_manager", lambda **_kw: _Borrowed(mgr))
+        monkeypatch.setattr(common, "manager", lambda **_kw: _Borrowed(mgr))
         code, out, _err = run(capsys, "pool")
         assert code == 0
         assert "no [pool] shapes configured" in out

@@ -139,3 +139,12 @@ def test_a_version_8_record_has_no_boot_seconds_and_a_booted_one_keeps_them() ->
     assert old.boot_seconds is None and old.to_dict()["boot_seconds"] is None
     booted = replace(old, boot_seconds=12.5)
     assert SandboxRecord.from_dict(booted.to_dict()) == booted
+
+
+def test_a_version_9_record_has_no_lifetime_and_an_expiry_round_trips() -> None:
+    """Version 10 adds ``expires_at``, the end of a sandbox's lifetime (``create --ttl``)."""
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 9, "generation": None})
+    assert old.expires_at is None and old.to_dict()["expires_at"] is None
+    mortal = replace(old, expires_at="2026-11-01T12:00:00Z")
+    assert SandboxRecord.from_dict(mortal.to_dict()) == mortal
+    assert mortal.to_dict()["version"] == SCHEMA_VERSION == 10

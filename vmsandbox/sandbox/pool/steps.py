@@ -29,7 +29,7 @@ from vmsandbox.errors import FailedPrecondition
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.guest import control, ssh
 from vmsandbox.guest.ssh import Endpoint
-from vmsandbox.sandbox import create, reserve
+from vmsandbox.sandbox import create, expiry, reserve
 from vmsandbox.sandbox.holds import Hold, settled
 from vmsandbox.sandbox.pool import gpu_steps
 from vmsandbox.sandbox.pool.shapes import NoPooledGuest, holds
@@ -102,7 +102,8 @@ def _claim(c: create.Creation) -> None:
         labels=dict(c.spec.labels),
         credential=c.spec.credential,
         owner=c.spec.owner,
-        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        created_at=expiry.stamp(expiry.now()),
+        expires_at=expiry.ends_at(c.spec.ttl),
         creator=c.owner.identity,
         gpus=tuple(GpuRecord.of(gpu) for gpu in c.gpus),
         fabric_partition=partition.id if partition else None,
