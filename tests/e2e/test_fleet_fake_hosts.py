@@ -394,8 +394,16 @@ def test_a_restarted_server_loses_and_duplicates_nothing(fx: Fixture, client) ->
     channel, again = stub(fx.fleet_socket)
     with channel:
         assert {sid: phase(s) for sid, s in listed(again).items()} == before
-        with pytest.raises(grpc.RpcError) as caught:
-            again.CreateSandbox(pb.CreateSandboxRequest(sandbox=wanted), timeout=120)
+        # the same request again (a gateway retrying): the same sandbox, from its host
+        again.CreateSandbox(pb.CreateSandboxRequest(sandbox=wanted), timeout=120)
+        other = pb.DriverSandbox()
+        other.CopyFrom(wanted)
+        other.spec.resource_requirements.gpu.count = 2
+        with pytest.raises(grpc.RpcError) as caught:  # another request under that id
+            again.CreateSandbox(pb.CreateSandboxRequest(sandbox=other), timeout=120)
         assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
-        assert len([s for s in listed(again) if s == wanted.id]) == 1
+        assert [where(fx, wanted.id)] == [
+            name for name in HOSTS for s in fx.host_info(name)["sandboxes"]
+            if s["labels"].get("openshell.sandbox-id") == wanted.id
+        ]  # fmt: skip
         again.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=wanted.id), timeout=60)
