@@ -17,8 +17,10 @@ Run as ``fleet_host.py --socket PATH --root DIR --fabric shared|full|none [--poo
   and which the tests read to judge a host by its own records (``domains``).
 - Faults for the tests, read from ROOT/faults.json (``FAULTS``) at each call:
   ``{"create_delay": S}`` answers a CreateSandbox S seconds after the sandbox was made (a host
-  whose create goes on past its caller's deadline); ``{"info_delay": S}`` answers HostInfo S
-  seconds late (a busy host: every agent call that reads it is slow).
+  whose create goes on past its caller's deadline); ``{"create_refused": MESSAGE}`` refuses
+  every CreateSandbox with UNAVAILABLE and MESSAGE, as the driver refuses what its host cannot
+  make now (a host that stays ready); ``{"info_delay": S}`` answers HostInfo S seconds late (a
+  busy host: every agent call that reads it is slow).
 
 Everything else is vmsandbox's own code: the allocator, Fabric Manager partitions through
 fmpm, the host lock, the records in the fake domains, the socket's peer gate; the fleet's
@@ -53,6 +55,7 @@ from framework import paths
 from framework.fake_hypervisor import FakeDomain, FakeHypervisor, unit_config
 from framework.openshell_client import Unwatched
 
+from vmsandbox.errors import Unavailable
 from vmsandbox.openshell.hostinfo import HostInfo
 from vmsandbox.openshell.metrics import HostMetrics
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
@@ -178,9 +181,16 @@ class FakeGuests(ComputeDriver):
         self.readiness = InstantReadiness(self._manager, self.launches, self.tunnels)
 
     def CreateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
+        refused = faults(self.root).get("create_refused")
+        if refused:
+            return self._call(context, "CreateSandbox", lambda: _refuse(str(refused)))
         answer = super().CreateSandbox(request, context)
         time.sleep(float(faults(self.root).get("create_delay", 0)))
         return answer
+
+
+def _refuse(message: str) -> None:
+    raise Unavailable(message)
 
 
 def fill(manager: SandboxManager) -> None:
