@@ -181,17 +181,26 @@ class Fleet:
         return None
 
     def sweep(self) -> None:
-        """Remove the gateway's claims that wait for placement on behalf of nobody: no record,
-        or a record whose create's fleet process is dead (killed while it waited)."""
+        """Forget the gateway's creates that wait for placement on behalf of nobody: claims
+        waiting with no record, or with a record whose create's fleet process is dead (killed
+        while it waited), and those records (no host was asked: nothing was made)."""
         live = claims.live_jobs()
+
+        def orphan(record: Record | None) -> bool:
+            return record is None or (record.state == model.PLACING and record.job not in live)
+
         for claim in claims.claims():
             owner = model.claim_owner(claim.name)
             if owner is None or owner[0] != self.gateway or claim.state == "CREATED":
                 continue
-            record = self.records.get(*owner)  # read now: a create may have taken it over
-            if record is None or (record.state == model.PLACING and record.job not in live):
+            if orphan(self.records.get(*owner)):  # read now: a create may have taken it over
                 log.info("removing claim %s: its create's fleet process is gone", claim.name)
                 claims.remove(claim.name)
+        for record in self.records.of(self.gateway):
+            if orphan(record) and orphan(self.records.get(self.gateway, record.sandbox_id)):
+                log.info("forgetting sandbox %s: its create's fleet process died placing it",
+                         record.sandbox_id)  # fmt: skip
+                self.records.drop(self.gateway, record.sandbox_id)
 
     # -- sandboxes --------------------------------------------------------------------------
 
