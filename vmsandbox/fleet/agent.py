@@ -104,6 +104,8 @@ class HostAgent:
         self._error: str | None = None
         self._answered_at = time.monotonic()  # the driver's last answer to a probe
         self._driver_error: str | None = None
+        # Probes that found the driver gone: a reconcile begun before one makes nobody ready.
+        self._outages = 0
         self._pinned: dict[str, float] | None = None
         claims.remove(model.pin_name(host))  # left by an earlier incarnation of this host
         self._stop = threading.Event()
@@ -265,6 +267,7 @@ class HostAgent:
                     self._answered_at = time.monotonic()
                 else:
                     self._ready = False  # until a reconcile pins what the host holds again
+                    self._outages += 1
                     if self._driver_error is None:
                         log.warning("host %s: %s", self.host, error)
                 self._driver_error = error
@@ -310,7 +313,9 @@ class HostAgent:
     def reconcile(self) -> None:
         """Read the host; record its fleet sandboxes that lack a record; remove stranded fleet
         claims; replace the pinned claim when what it must hold changed (model.pinned); ready
-        once it is placed."""
+        once it is placed, unless the driver went away meanwhile."""
+        with self._lock:
+            outages = self._outages
         info = self._read_info()
         ours = {
             (s["labels"][GATEWAY_LABEL], s["labels"].get(ID_LABEL, "")): s
@@ -359,7 +364,7 @@ class HostAgent:
                     raise RuntimeError(f"the pinned claim {bundle} could not be placed yet")
             self._pinned = want
         with self._lock:
-            self._ready = True
+            self._ready = self._outages == outages
 
     def _record(
         self,
