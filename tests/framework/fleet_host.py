@@ -13,8 +13,10 @@ Run as ``fleet_host.py --socket PATH --root DIR --fabric shared|full|none [--poo
   made by the fill steps without waiting for SSH, and a claim skips the hostname step, which
   needs a guest. The pool is filled at start and refilled in this process after each claim.
 - The domains outlive the process, as libvirt's outlive ``vmsandbox serve``: every change is
-  written to ROOT/domains.json (``STATE``), which a driver started again on ROOT reads back,
-  and which the tests read to judge a host by its own records (``domains``).
+  written to ROOT/domains.json (``STATE``), which a driver started again on ROOT reads back
+  (and reconciles, as ``vmsandbox serve`` does at start: a killed driver's half-made creates
+  are taken apart), and which the tests read to judge a host by its own records
+  (``domains``).
 - Faults for the tests, read from ROOT/faults.json (``FAULTS``) at each call:
   ``{"create_delay": S}`` answers a CreateSandbox S seconds after the sandbox was made (a host
   whose create goes on past its caller's deadline); ``{"create_refused": MESSAGE}`` refuses
@@ -267,9 +269,9 @@ def main() -> None:
     if metrics is not None:
         metrics.serve(args.metrics_address)
     peers = Peers()
-    pb_grpc.add_ComputeDriverServicer_to_server(
-        FakeGuests(root, config, Unwatched(), manager=manager, peers=peers), server
-    )
+    driver = FakeGuests(root, config, Unwatched(), manager=manager, peers=peers)
+    driver.resume()  # as `vmsandbox serve` starts: a killed driver's half-made creates go
+    pb_grpc.add_ComputeDriverServicer_to_server(driver, server)
     info_grpc.add_HostInfoServicer_to_server(SlowInfo(root, config, manager, peers=peers), server)
     backend = Path(tempfile.mkdtemp(prefix="vmsbx-grpc-")) / "grpc.sock"
     server.add_insecure_port(f"unix:{backend}")
