@@ -323,26 +323,17 @@ class HostAgent:
             if s["labels"].get(GATEWAY_LABEL) and s["labels"].get(HOST_LABEL) == self.host
         }
         here = {model.claim_name(*owner) for owner in ours}
-        records = {(r.gateway, r.sandbox_id): r for r in self.records.of()}
-        self._record(ours, records)
+        self._record(ours)
         with self._lock:
             in_flight = set(self._in_flight)
         now = time.monotonic()
-        live = claims.live_jobs()
         mine = [c for c in claims.claims() if c.node_id == self.node_id]
         held = []
         for claim in mine:
             owner = model.claim_owner(claim.name)
             if owner is None:
                 continue
-            record = records.get(owner)
-            awaited = (  # a live fleet process waits for this host's answer: maybe queued here
-                record is not None
-                and record.host == self.host
-                and record.state == model.CREATING
-                and record.job in live
-            )
-            if claim.name in here or claim.name in in_flight or awaited:
+            if claim.name in here or claim.name in in_flight or self._awaited(*owner):
                 self._unmatched.pop(claim.name, None)
                 held.append(claim.bundle)
             elif now - self._unmatched.setdefault(claim.name, now) > STRANDED_GRACE:
@@ -366,29 +357,27 @@ class HostAgent:
         with self._lock:
             self._ready = self._outages == outages
 
-    def _record(
-        self,
-        ours: dict[tuple[str, str], dict[str, Any]],
-        records: dict[tuple[str, str], model.Record],
-    ) -> None:
-        """A placement record for each fleet sandbox here that has none (not one this agent
-        deletes or deleted less than DELETED_GRACE seconds ago: the delete's record was
-        dropped on purpose); a sandbox recorded on another host is a twin, said loudly."""
+    def _awaited(self, gateway: str, sandbox_id: str) -> bool:
+        """Whether a live fleet process waits for this host's answer to the create of the
+        sandbox (its record ``creating`` here): its call may wait in this actor's queue."""
+        record = self.records.get(gateway, sandbox_id)
+        return (
+            record is not None
+            and record.host == self.host
+            and record.state == model.CREATING
+            and record.job in claims.live_jobs()
+        )
+
+    def _record(self, ours: dict[tuple[str, str], dict[str, Any]]) -> None:
+        """A placement record for each fleet sandbox here that has none, except one this agent
+        deletes or deleted less than DELETED_GRACE seconds ago (the delete dropped its record
+        on purpose). Only the records' keys are read: one look at the store per reconcile."""
         now = time.monotonic()
         with self._lock:
             self._deleting = {k: t for k, t in self._deleting.items() if now - t < DELETED_GRACE}
             deleting = set(self._deleting)
-        for owner, listed in ours.items():
-            record = records.get(owner)
-            if record is not None:
-                if record.host not in (None, self.host):
-                    log.error(
-                        "host %s: sandbox %s of gateway %s is here, but recorded on host %s",
-                        self.host, owner[1], owner[0], record.host,
-                    )  # fmt: skip
-                continue
-            if owner in deleting:
-                continue
+        for owner in set(ours) - self.records.recorded() - deleting:
+            listed = ours[owner]
             found = model.Record(*owner, name=listed["name"], host=self.host, state=model.PLACED)
             if self.records.add(found):
                 log.info("host %s: recorded sandbox %s of gateway %s", self.host, *owner[::-1])

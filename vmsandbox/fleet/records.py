@@ -37,6 +37,9 @@ class Store(Protocol):
 
     def delete(self, key: str) -> None: ...
 
+    def keys(self, prefix: str) -> list[str]:
+        """Every key that starts with ``prefix``."""
+
     def scan(self, prefix: str) -> dict[str, bytes]:
         """Every key that starts with ``prefix``, with its value."""
 
@@ -62,15 +65,21 @@ class RayKV:
 
         internal_kv._internal_kv_del(key, namespace=model.NAMESPACE)
 
-    def scan(self, prefix: str) -> dict[str, bytes]:
+    def keys(self, prefix: str) -> list[str]:
         from ray.experimental import internal_kv
 
         client = internal_kv.internal_kv_get_gcs_client()
-        namespace = model.NAMESPACE.encode()
-        keys = client.internal_kv_keys(prefix.encode(), namespace=namespace)
+        found = client.internal_kv_keys(prefix.encode(), namespace=model.NAMESPACE.encode())
+        return [key.decode() for key in found]
+
+    def scan(self, prefix: str) -> dict[str, bytes]:
+        from ray.experimental import internal_kv
+
+        keys = [key.encode() for key in self.keys(prefix)]
         if not keys:
             return {}
-        values = client.internal_kv_multi_get(keys, namespace=namespace)
+        client = internal_kv.internal_kv_get_gcs_client()
+        values = client.internal_kv_multi_get(keys, namespace=model.NAMESPACE.encode())
         return {key.decode(): value for key, value in values.items()}
 
 
@@ -100,6 +109,14 @@ class Records:
 
     def drop(self, gateway: str, sandbox_id: str) -> None:
         self.store.delete(_key(gateway, sandbox_id))
+
+    def recorded(self) -> set[tuple[str, str]]:
+        """(gateway, sandbox id) of every record, read without their values."""
+        found = set()
+        for key in self.store.keys(SANDBOX_KEY):
+            gateway, _, sandbox_id = key[len(SANDBOX_KEY) :].partition("/")
+            found.add((gateway, sandbox_id))
+        return found
 
     def of(self, gateway: str | None = None) -> list[Record]:
         """The records of ``gateway``'s sandboxes (of every gateway's when None)."""

@@ -24,6 +24,9 @@ class DictStore:
     def delete(self, key: str) -> None:
         self.data.pop(key, None)
 
+    def keys(self, prefix: str) -> list[str]:
+        return [k for k in self.data if k.startswith(prefix)]
+
     def scan(self, prefix: str) -> dict[str, bytes]:
         return {k: v for k, v in self.data.items() if k.startswith(prefix)}
 

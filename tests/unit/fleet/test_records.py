@@ -22,6 +22,7 @@ def test_a_record_is_made_once_per_gateway_and_id_and_says_where_it_may_be(store
     assert records.get("gw-a", "x") == Record("gw-a", "x", "box", "h1", model.UNKNOWN, "01000000")
     assert [r.gateway for r in records.of("gw-b")] == ["gw-b"]
     assert {r.gateway for r in records.of()} == {"gw-a", "gw-b"}
+    assert records.recorded() == {("gw-a", "x"), ("gw-b", "x")}
     records.drop("gw-a", "x")
     assert records.get("gw-a", "x") is None
 
