@@ -130,14 +130,9 @@ def state_of(
     if died:
         return "lost", "its agent died"
     if not agent:
-        return (
-            ("joining", "its agent is not up yet")
-            if previous != "ready"
-            else (
-                "lost",
-                "its agent is gone",
-            )
-        )
+        if previous == "ready":
+            return "lost", "its agent is gone"
+        return "joining", "its agent is not up yet"
     if answer is None:
         if misses >= MISSES:
             return "lost", f"its agent missed {misses} pings in a row"
