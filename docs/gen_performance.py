@@ -95,6 +95,16 @@ ABOUT: dict[str, tuple[str, str]] = {
         "claiming a GPU-ready pooled guest (the card attached live), each to ready with the "
         "in-guest verification.",
     ),
+    "fleet": (
+        "The fleet under faults",
+        "Four fake hosts (36 GPUs) behind one fleet server, 8 clients creating sandboxes of 1 to "
+        "8 GPUs and deleting some, while one host's driver is killed (its Ray node alive) and "
+        "started again, another host is killed whole and joined again, and the fleet server is "
+        "killed and started again; creates and deletes of unknown outcome asked again as a "
+        "gateway does. Judged from each host's own records: sandboxes lost, duplicated or left "
+        "under way, GPUs held twice, and how long the fleet took to mark each dead host lost. "
+        "`bench/fleet.py`, [The fleet](fleet.md).",
+    ),
     "transfer": (
         "Copying a large file",
         "A: `vmsandbox cp` of a file of random bytes into a sandbox and out of it, each a whole "
@@ -343,6 +353,11 @@ def render(results: Path) -> str:
                 f"{report['clients']} clients for {report['seconds']:.0f} s, "
                 f"{report['domains']} defined domains"
             )
+        if "fleet_clients" in report:
+            rounds = (
+                f"{report['creates']} creates from {report['fleet_clients']} clients, "
+                f"{report['seconds']:.0f} s in all"
+            )
         lines += ["", f"## {title}", ""]
         if about:
             lines += [about, ""]
@@ -371,6 +386,9 @@ def render(results: Path) -> str:
                 for c in judged
             ]
             lines += table(("Figure", "Value", "Target", "Verdict"), rows)
+        figures = report.get("figures")
+        if figures:  # every figure of the run, as the benchmark prints them
+            lines += ["", *table(("Figure", "Value"), [(k, str(v)) for k, v in figures.items()])]
     suite = results / SUITE
     if suite.is_file():
         lines += ["", *suite.read_text().rstrip("\n").splitlines()]

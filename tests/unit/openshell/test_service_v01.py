@@ -31,6 +31,7 @@ from vmsandbox.errors import FailedPrecondition, InvalidArgument
 from vmsandbox.guest.ssh import ExecResult
 from vmsandbox.openshell import negotiation
 from vmsandbox.openshell.admission import AdmissionPolicy
+from vmsandbox.openshell.caller import ANSWERED_METADATA
 from vmsandbox.openshell.identity import INCARNATION_LABEL
 from vmsandbox.openshell.launch import (
     AUTH_BUNDLE_PATH,
@@ -554,3 +555,16 @@ def test_driver_config_without_consent_is_refused_over_the_wire(upstream: Upstre
         code, message = _code(lambda m=method, r=request: upstream.call(m, r))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert message.startswith("template.driver_config (gpu_device_ids) is not allowed")
+
+
+def test_an_error_the_driver_answers_is_marked_as_its_own(upstream: UpstreamClient, tmp_path):
+    sandbox = upstream.message("DriverSandbox", id="gw-bad", name="t-bad")
+    sandbox.spec.template.image = "no-such-image"
+    with pytest.raises(grpc.RpcError) as answered:
+        upstream.call("CreateSandbox", upstream.message("CreateSandboxRequest", sandbox=sandbox))
+    assert (ANSWERED_METADATA, answered.value.code().name) in answered.value.trailing_metadata()
+    nobody = f"unix:{tmp_path / 'nobody.sock'}"  # no driver there: nothing it could answer
+    with grpc.insecure_channel(nobody) as channel, pytest.raises(grpc.RpcError) as unreached:
+        UpstreamClient(channel).call("ListSandboxes", upstream.message("ListSandboxesRequest"))
+    assert unreached.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert not any(key == ANSWERED_METADATA for key, _ in unreached.value.trailing_metadata())
