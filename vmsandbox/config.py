@@ -5,9 +5,11 @@ override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IM
 ``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
 ``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_GPU_FIRMWARE``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS``
 (comma-separated), ``VMSANDBOX_GUEST_OUTBOUND``, ``VMSANDBOX_REQUIRE_GPU_RESET``,
-``VMSANDBOX_LOCK_TIMEOUT``, and for NVSwitch boards ``VMSANDBOX_FMPM``,
-``VMSANDBOX_FMPM_TIMEOUT``, ``VMSANDBOX_FM_UNIX_SOCKET``, ``VMSANDBOX_FM_HOSTNAME``,
-``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``, ``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
+``VMSANDBOX_LOCK_TIMEOUT``, the GPU custody keys ``VMSANDBOX_GPU_SANITIZE``,
+``VMSANDBOX_GPU_SCRUB_HOOK``, ``VMSANDBOX_REQUIRE_GPU_MEMORY_CLEAR``, and for NVSwitch
+boards ``VMSANDBOX_FMPM``, ``VMSANDBOX_FMPM_TIMEOUT``, ``VMSANDBOX_FM_UNIX_SOCKET``,
+``VMSANDBOX_FM_HOSTNAME``, ``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``,
+``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ _ENV = {
     "guest_outbound": "VMSANDBOX_GUEST_OUTBOUND",
     "require_gpu_reset": "VMSANDBOX_REQUIRE_GPU_RESET",
     "lock_timeout": "VMSANDBOX_LOCK_TIMEOUT",
+    "gpu_sanitize": "VMSANDBOX_GPU_SANITIZE",
+    "gpu_scrub_hook": "VMSANDBOX_GPU_SCRUB_HOOK",
+    "require_gpu_memory_clear": "VMSANDBOX_REQUIRE_GPU_MEMORY_CLEAR",
     "fmpm": "VMSANDBOX_FMPM",
     "fmpm_timeout": "VMSANDBOX_FMPM_TIMEOUT",
     "fm_unix_socket": "VMSANDBOX_FM_UNIX_SOCKET",
@@ -52,7 +57,14 @@ _ENV = {
     "gpu_firmware": "VMSANDBOX_GPU_FIRMWARE",
 }
 _POOL_KEYS = ("image", "cpus", "memory_mib", "disk_gib", "count", "gpus")
-_PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config")
+_PATHS = (
+    "state_dir",
+    "image_dir",
+    "ovmf_code",
+    "ovmf_vars",
+    "fabric_manager_config",
+    "pci_sysfs",
+)
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,25 @@ class Config:
     # Refuse GPUs the kernel cannot reset (host/discover.py): the next tenant could read the
     # last one's GPU memory. Off only where GPU memory is cleared by other means.
     require_gpu_reset: bool = True
+    # GPU custody between tenants (vmsandbox/gpu/custody): every released GPU is reset,
+    # checked and cleared before it is free again. Off only to show that the canary test can
+    # fail (bench/gpu_handoff.py): a released GPU is then free at once, as it is.
+    gpu_sanitize: bool = True
+    # A command run with a released GPU's BDF that clears its memory (exit 0: done), for GPUs
+    # whose memory no hardware clear vmsandbox knows empties (all but NVIDIA Turing and later).
+    gpu_scrub_hook: str = ""
+    gpu_scrub_timeout: float = 600.0
+    # Refuse to free a GPU whose memory nothing cleared (no hardware clear, no scrub hook).
+    require_gpu_memory_clear: bool = True
+    gpu_reset_timeout: float = 30.0  # seconds for a reset, and for the GPU to answer after it
+    # The health monitor (vmsandbox serve, vmsandbox gpus watch): seconds between its looks
+    # at the host (config space, power state, AER in the kernel log, paused domains), and
+    # between its looks into running GPU guests' kernel logs for Xid errors.
+    gpu_health_interval: float = 1.0
+    gpu_xid_interval: float = 30.0
+    # Where the kernel lists the host's PCI functions; custody resets and reads GPUs there.
+    # The unit tests point it at a tree of plain files, so they never touch a real device.
+    pci_sysfs: Path = Path("/sys/bus/pci/devices")
     # Seconds a call waits for its turn at the host lock (vmsandbox/lock.py) before it fails
     # with DEADLINE_EXCEEDED naming the holder.
     lock_timeout: float = 60.0
