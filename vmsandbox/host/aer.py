@@ -1,11 +1,12 @@
 """PCIe Advanced Error Reporting (AER) in the host kernel's log: which device or port reported
 which error, from the lines the kernel's AER driver prints.
 
-The lines look like these (Linux 6.1; the driver's name, then the function's address)::
+The lines look like these (the driver's name, then the function's address; Linux 6.1 to 6.5
+say "error received: BDF", later kernels "error message received from BDF")::
 
-    pcieport 0000:00:06.0: AER: Uncorrected (Fatal) error received: 0000:00:06.0
+    pcieport 0000:00:06.0: AER: Uncorrected (Fatal) error message received from 0000:00:06.0
     pcieport 0000:00:1c.0: AER: Multiple Corrected error received: 0000:01:00.0
-    vfio-pci 0000:02:00.0: AER: PCIe Bus Error: severity=Uncorrected (Non-Fatal), type=...
+    vfio-pci 0000:02:00.0: PCIe Bus Error: severity=Uncorrected (Non-Fatal), type=...
     pcieport 0000:00:06.0: AER: device recovery failed
 
 An error is the device's own or its port's: the port's link carries every transaction of the
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 _ADDRESS = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
 _LINE = re.compile(rf"(?:^|\s)(?P<reporter>{_ADDRESS}): (?:AER: )?(?P<rest>.*)$")
 _RECEIVED = re.compile(
-    rf"(?:Multiple )?(?P<severity>Corrected|Uncorrected \((?:Non-)?Fatal\)) error received: "
-    rf"(?P<source>{_ADDRESS})"
+    rf"(?:Multiple )?(?P<severity>Corrected|Uncorrected \((?:Non-)?Fatal\)) error "
+    rf"(?:received: |message received from )(?P<source>{_ADDRESS})"
 )
 _BUS_ERROR = re.compile(r"PCIe Bus Error: severity=(?P<severity>Corrected|Uncorrected \([^)]*\))")
 _SEVERITY = {

@@ -4,7 +4,8 @@ record and files (``record``) kept in libvirt (``store``), what each sandbox hol
 the create steps and their undos (``create``), how steps run (``runner``) and where their
 time went (``timing``), the boot wait (``boot``), stop and start (``power``), destroy
 (``teardown``), repair (``reconcile``), its GPUs' custody between tenants (``custody``: released
-GPUs sanitized before anyone takes them again), the warm pool (the ``pool`` package: its shapes, its
+GPUs sanitized before anyone takes them again; ``health``: the monitor that quarantines a sick
+GPU and fails its sandbox), the warm pool (the ``pool`` package: its shapes, its
 fill and claim steps, the GPU claim's steps and the pool at work; its ``__init__`` is the map),
 secrets kept as digests (``credential``), the handle a caller gets (``handle``: ``Sandbox``) and
 ``SandboxManager`` (``manager``), which orchestrates them.

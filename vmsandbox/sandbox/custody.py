@@ -35,11 +35,17 @@ from vmsandbox.gpu.custody.store import CustodyStore
 from vmsandbox.sandbox.holds import Holds
 
 if TYPE_CHECKING:
+    from vmsandbox.host.model import Inventory
     from vmsandbox.progress import Progress
     from vmsandbox.vm.hypervisor import Hypervisor, Stored
 
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
 log = logging.getLogger(__name__)
+
+
+def shown(config: Config, inventory: Inventory) -> Inventory:
+    """``inventory`` with each GPU's custody state and reason, from the records now."""
+    return state.with_custody(inventory, CustodyStore(config).all())
 
 
 def sanitize(

@@ -23,7 +23,7 @@ from vmsandbox.host.numa import host_cpus_by_node
 from vmsandbox.image.store import BaseImage, ImageStore
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
-from vmsandbox.sandbox import create, power, reserve, runner, teardown
+from vmsandbox.sandbox import create, custody, health, power, reserve, runner, teardown
 from vmsandbox.sandbox import plan as planner
 from vmsandbox.sandbox.boot import check_timeout
 from vmsandbox.sandbox.create import Creation
@@ -179,6 +179,7 @@ class SandboxManager:
         files = SandboxFiles.of(self.config, record.stem)
         report = create.verify_guest(record, self._endpoint(record), files)
         self.store.put(replace(record, verification=report), state)
+        health.from_verification(self, record, report)  # Xids that quarantine a GPU
         return report
 
     def dry_run(self, spec: SandboxSpec) -> tuple[str, list[Gpu]]:
@@ -218,11 +219,12 @@ class SandboxManager:
 
     def gpus(self, in_use: Mapping[str, str] | None = None) -> Inventory:
         """The host's GPU inventory, with ``in_use_by`` from ``in_use`` (BDF -> domain), read
-        from all libvirt domains when not given."""
+        from all libvirt domains when not given, and each GPU's custody (custody.py)."""
         from vmsandbox.host import discover
 
         holders = self.hypervisor.hostdev_holders() if in_use is None else in_use
-        return discover(in_use=holders, require_reset=self.config.require_gpu_reset)
+        found = discover(in_use=holders, require_reset=self.config.require_gpu_reset)
+        return custody.shown(self.config, found)
 
     # -- read ---------------------------------------------------------------------------------
 

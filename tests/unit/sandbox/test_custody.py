@@ -116,8 +116,6 @@ def test_a_gpu_whose_sanitize_fails_is_quarantined_and_never_given(
     manager.destroy("box")
     record = CustodyStore(config).get(bdf)
     assert record.state == state.QUARANTINED and record.reason.startswith("memory-clear:")
-    shown = {gpu.bdf: gpu for gpu in manager.gpus().gpus}
-    assert shown[bdf].custody == "free"  # discovery alone does not read custody
     with pytest.raises(FailedPrecondition) as caught:
         manager.create(gpu_spec(len(board.gpus), "all"), wait=False)
     assert f"1 matching GPU is quarantined: {bdf} (quarantined: memory-clear:" in str(caught.value)
