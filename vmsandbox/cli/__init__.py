@@ -1,5 +1,6 @@
 """The ``vmsandbox`` command: its parser (``args``, with the sizes people type in ``sizes``) and
-its commands (``commands``, whose ``main`` is the entry point, here as ``vmsandbox.cli.main``);
+its commands (``commands``, whose ``main`` is the entry point, here as ``vmsandbox.cli.main``;
+``gpus``: the GPUs, their custody and the operator's commands for them);
 ``python -m vmsandbox.cli`` runs it too.
 
 A face: it may import ``openshell`` (``vmsandbox serve``), ``compat`` and everything below them.

@@ -44,7 +44,7 @@ class Capacity:
 def measure(inventory: Inventory, fabric: Fabric | None, max_gpus: int) -> Capacity:
     """The capacity of a host whose inventory (``in_use_by`` filled) and fabric are given."""
     empty_inventory, empty_fabric = empty(inventory, fabric)
-    bindable = [gpu for gpu in inventory.gpus if gpu.bindable]
+    bindable = [gpu for gpu in inventory.gpus if gpu.bindable and gpu.custody not in OUT]
     sizes = range(1, min(len(bindable), max_gpus) + 1)
     return Capacity(
         total={n: fits(n, empty_inventory, empty_fabric, max_gpus) for n in sizes},
