@@ -243,7 +243,7 @@ restore() {
   launch -incoming "exec:cat $STATE/snap/state"
   "$PYTHON" setup/qmp.py "$STATE/qmp.sock" resume 120
   wait_for true
-  ssh_l1 "date -s @$(date +%s) >/dev/null && echo 1 > /sys/bus/pci/rescan"
+  ssh_l1 "date -s @$(date +%s.%N) >/dev/null && echo 1 > /sys/bus/pci/rescan"
 }
 
 # What a snapshot holds: the nested and minimal images, and the machine it was saved from (QEMU

@@ -234,6 +234,8 @@ class Monitor:
                             report(item)
                 except VmSandboxError as exc:
                     log.warning("GPU health pass failed: %s", exc.message)
+                except Exception:  # a monitor that dies watches nothing: log it, look again
+                    log.exception("GPU health pass failed")
                 stop.wait(max(0.0, interval - (time.monotonic() - began)))
         finally:
             assert self.kernel_log is not None

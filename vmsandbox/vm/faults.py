@@ -10,23 +10,29 @@ import libvirt
 
 from vmsandbox.vm.hypervisor import libvirt_errors
 
-# virDomainPausedReason as words (libvirt-domain.h); the health signals read the words.
-PAUSED_REASONS = {
-    libvirt.VIR_DOMAIN_PAUSED_UNKNOWN: "unknown",
-    libvirt.VIR_DOMAIN_PAUSED_USER: "user",
-    libvirt.VIR_DOMAIN_PAUSED_MIGRATION: "migration",
-    libvirt.VIR_DOMAIN_PAUSED_SAVE: "save",
-    libvirt.VIR_DOMAIN_PAUSED_DUMP: "dump",
-    libvirt.VIR_DOMAIN_PAUSED_IOERROR: "ioerror",
-    libvirt.VIR_DOMAIN_PAUSED_WATCHDOG: "watchdog",
-    libvirt.VIR_DOMAIN_PAUSED_FROM_SNAPSHOT: "from snapshot",
-    libvirt.VIR_DOMAIN_PAUSED_SHUTTING_DOWN: "shutting down",
-    libvirt.VIR_DOMAIN_PAUSED_SNAPSHOT: "snapshot",
-    libvirt.VIR_DOMAIN_PAUSED_CRASHED: "crashed",
-    libvirt.VIR_DOMAIN_PAUSED_STARTING_UP: "starting up",
-    libvirt.VIR_DOMAIN_PAUSED_POSTCOPY: "postcopy",
-    libvirt.VIR_DOMAIN_PAUSED_POSTCOPY_FAILED: "postcopy failed",
-    libvirt.VIR_DOMAIN_PAUSED_API_ERROR: "api error",
+# virDomainPausedReason as words (libvirt-domain.h), by the constants' names: an older
+# libvirt-python lacks the newer ones (API_ERROR came with libvirt 10.2).
+_NAMES = (
+    "UNKNOWN",
+    "USER",
+    "MIGRATION",
+    "SAVE",
+    "DUMP",
+    "IOERROR",
+    "WATCHDOG",
+    "FROM_SNAPSHOT",
+    "SHUTTING_DOWN",
+    "SNAPSHOT",
+    "CRASHED",
+    "STARTING_UP",
+    "POSTCOPY",
+    "POSTCOPY_FAILED",
+    "API_ERROR",
+)
+PAUSED_REASONS: dict[int, str] = {
+    getattr(libvirt, f"VIR_DOMAIN_PAUSED_{name}"): name.lower().replace("_", " ")
+    for name in _NAMES
+    if hasattr(libvirt, f"VIR_DOMAIN_PAUSED_{name}")
 }
 
 

@@ -33,6 +33,7 @@ from vmsandbox.host.sysfs import SYS_PCI_DEVICES
 from .xid import APP, REBOOT, classify
 
 CONFIRM_S = 0.3  # a config-space fault is read again after this long before it counts
+FAULTS = ("cannot be read", "all ones", "D3cold")  # what not_answering says of a fault
 # libvirt's paused reasons that a fault gives (vmsandbox never pauses a domain itself).
 FAULT_PAUSES = ("ioerror", "unknown", "crashed", "api error", "postcopy failed")
 
@@ -84,12 +85,15 @@ def from_config_space(
     sleep: Callable[[float], None] = time.sleep,
 ) -> Signal | None:
     """A signal when the GPU's config space says it does not answer, twice CONFIRM_S apart
-    (a read in the middle of a reset a guest asked for is not a fault). A guest's D3hot is
-    its own business: only D3cold that a read did not wake counts."""
+    (a read in the middle of a reset a guest asked for is not a fault): it cannot be read, it
+    reads all ones, or it stays in D3cold after a read that wakes it. Any other power state
+    is someone's business (a guest's D3hot; "unknown" while vfio-pci takes the device)."""
 
     def fault() -> str | None:
         why = pcistate.not_answering(gpu.bdf, sysfs)
-        return None if why is None or "D3hot" in why or "D1" in why or "D2" in why else why
+        if why is None or not any(word in why for word in FAULTS):
+            return None
+        return why
 
     if fault() is None:
         return None
