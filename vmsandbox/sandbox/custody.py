@@ -71,7 +71,7 @@ def sanitize(
             steps = ", ".join(f"{k} {v:.2f}s" for k, v in result.outcome.steps.items())
             progress(f"GPU {record.bdf} sanitized ({steps})")
     for line in said:
-        log.warning("%s", line)
+        log.info("%s", line)
         if progress is not None:
             progress(line)
     return said
