@@ -13,10 +13,11 @@ the tests run on a folder of plain files made under ``tmp_path``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .sysfs import SYS_PCI_DEVICES
 
@@ -131,3 +132,24 @@ def siblings(bdf: str, sysfs: str = SYS_PCI_DEVICES) -> list[str]:
     except OSError:
         return []
     return sorted(n for n in names if _BDF_NAME.fullmatch(n) and n != bdf)
+
+
+@contextlib.contextmanager
+def memory_decoding(bdf: str, sysfs: str = SYS_PCI_DEVICES) -> Iterator[None]:
+    """The function's memory decoding on for the block (sysfs ``enable``), as it was after:
+    a function without a driver may have it off, and its BARs then read all ones."""
+    enable = os.path.join(path_of(bdf, sysfs), "enable")
+    try:
+        with open(enable) as state:
+            was_off = state.read().strip() == "0"
+    except OSError:
+        was_off = False
+    if was_off:
+        with open(enable, "w") as state:
+            state.write("1")
+    try:
+        yield
+    finally:
+        if was_off:
+            with contextlib.suppress(OSError), open(enable, "w") as state:
+                state.write("0")

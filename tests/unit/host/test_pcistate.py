@@ -64,3 +64,11 @@ def test_the_parent_bridge_is_the_folder_above(tmp_path: Path) -> None:
     assert pcistate.parent_bridge(BDF, str(tmp_path / "devices")) == "0000:00:06.0"
     assert pcistate.parent_bridge("0000:00:06.0", str(tmp_path / "devices")) is None
     assert pcistate.siblings(BDF, str(tmp_path / "devices")) == []
+
+
+def test_memory_decoding_is_switched_on_for_the_block_and_back_off(tree: Path) -> None:
+    folder = fake_sysfs.gpu(tree, BDF)
+    (folder / "enable").write_text("0")
+    with pcistate.memory_decoding(BDF, str(tree)):
+        assert (folder / "enable").read_text() == "1"
+    assert (folder / "enable").read_text() == "0"

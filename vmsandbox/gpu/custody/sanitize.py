@@ -211,11 +211,12 @@ def _memory_clear(target: Target, config: Config, sysfs: str) -> str | None:
     if target.vendor_id == NVIDIA:
         bar0 = nvclear.Bar0(target.bdf, sysfs)
         try:
-            arch = nvclear.architecture(int(target.device_id, 16), bar0)
-            if arch is not None:
-                nvclear.wait_memory_clear(bar0, arch)
-                return f"hardware clear ({arch})"
-        except nvclear.ClearFailed as exc:
+            with pcistate.memory_decoding(target.bdf, sysfs):
+                arch = nvclear.architecture(int(target.device_id, 16), bar0)
+                if arch is not None:
+                    nvclear.wait_memory_clear(bar0, arch)
+                    return f"hardware clear ({arch})"
+        except (nvclear.ClearFailed, OSError) as exc:
             raise StepFailed(str(exc)) from exc
     if config.gpu_scrub_hook:
         return "by the scrub hook"
