@@ -1,5 +1,6 @@
-"""Build-time mapping of the repository's top-level ``templates/`` and ``images/`` into the
-package: the wheel carries them as ``vmsandbox/_data/templates`` and ``vmsandbox/_data/images``
+"""Build-time mapping of the repository's top-level ``templates/``, ``images/`` and ``systemd/``
+into the package: the wheel carries them as ``vmsandbox/_data/templates``, ``.../images`` and
+``.../systemd``
 (``vmsandbox.resources`` finds them there, or at the top of a checkout). Everything else about
 the project is in pyproject.toml. build_py also generates the gRPC stubs of the OpenShell
 driver (setup/gen_proto.py, with grpcio-tools from the build requirements) into the build tree."""
@@ -23,7 +24,11 @@ class BuildWithStubs(build_py):
             generate(Path(__file__).resolve().parent, Path(self.build_lib))
 
 
-TOP = {"vmsandbox._data.templates": "templates", "vmsandbox._data.images": "images"}
+TOP = {
+    "vmsandbox._data.templates": "templates",
+    "vmsandbox._data.images": "images",
+    "vmsandbox._data.systemd": "systemd",
+}
 # Each recipe folder (images/minimal, images/common, ...) is a data-only package of its own.
 DATA = [*TOP, *(f"vmsandbox._data.images.{sub}" for sub in find_namespace_packages("images"))]
 

@@ -184,6 +184,9 @@ def setup(root: Path, domains: int, clients: int) -> tuple[Path, dict[str, str]]
 
     disk = root / "disk.qcow2"
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "64M"], check=True)
+    # an MBR signature: images import refuses a blank qcow2
+    signature = ["-c", "write -P 0x55 510 1", "-c", "write -P 0xaa 511 1"]
+    subprocess.run(["qemu-io", *signature, str(disk)], check=True, capture_output=True)
     ImageStore(root / "images").import_image(disk, IMAGE)
     file = root / "config.toml"
     # a long wait: the figures measure the waits, a timeout would hide them (older versions

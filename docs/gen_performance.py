@@ -104,6 +104,13 @@ ABOUT: dict[str, tuple[str, str]] = {
         "that zeroes its VRAM) step by step; one hand-off with `gpu_sanitize = false` (the probe "
         "can fail); one AER error injected at a card's root port until its quarantine.",
     ),
+    "transfer": (
+        "Copying a large file",
+        "A: `vmsandbox cp` of a file of random bytes into a sandbox and out of it, each a whole "
+        "process (start-up, libvirt lookup, SSH handshake included). B: plain `scp` with the "
+        "same key and known hosts (the ssh_config `vmsandbox ssh-config` prints). The target is "
+        "vmsandbox's throughput at least 0.9x scp's each way.",
+    ),
 }
 VERDICTS = {True: "met", False: "missed", None: "-"}
 

@@ -3,17 +3,25 @@
 File: ``$VMSANDBOX_CONFIG`` or ``/etc/vmsandbox/config.toml`` (optional). Environment variables
 override single keys: ``VMSANDBOX_URI``, ``VMSANDBOX_STATE_DIR``, ``VMSANDBOX_IMAGE_DIR``,
 ``VMSANDBOX_VIRT_TYPE``, ``VMSANDBOX_NETWORK``, ``VMSANDBOX_BOOT_TIMEOUT``,
-``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_GPU_FIRMWARE``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS``
-(comma-separated), ``VMSANDBOX_GUEST_OUTBOUND``, ``VMSANDBOX_REQUIRE_GPU_RESET``,
-``VMSANDBOX_LOCK_TIMEOUT``, the GPU custody keys ``VMSANDBOX_GPU_SANITIZE``,
-``VMSANDBOX_GPU_SCRUB_HOOK``, ``VMSANDBOX_REQUIRE_GPU_MEMORY_CLEAR``, and for NVSwitch
-boards ``VMSANDBOX_FMPM``, ``VMSANDBOX_FMPM_TIMEOUT``, ``VMSANDBOX_FM_UNIX_SOCKET``,
-``VMSANDBOX_FM_HOSTNAME``, ``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``,
-``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
+``VMSANDBOX_PROBE_QEMU``, ``VMSANDBOX_GPU_FIRMWARE``, ``VMSANDBOX_OPENSHELL_ALLOWED_UIDS`` and
+``VMSANDBOX_OPENSHELL_DELEGATE_UIDS`` (comma-separated), ``VMSANDBOX_GUEST_OUTBOUND``,
+``VMSANDBOX_GUEST_BLOCKED_NETWORKS`` (comma-separated), ``VMSANDBOX_REQUIRE_GPU_RESET``,
+``VMSANDBOX_LOCK_TIMEOUT``, and for NVSwitch boards ``VMSANDBOX_FMPM``,
+``VMSANDBOX_FMPM_TIMEOUT``, ``VMSANDBOX_FM_UNIX_SOCKET``, ``VMSANDBOX_FM_HOSTNAME``,
+``VMSANDBOX_FABRIC_MANAGER``, ``VMSANDBOX_FM_VERSION``, ``VMSANDBOX_FABRIC_MANAGER_CONFIG``.
+
+Every value is typed, whatever its source, and a value that is not of its key's type is
+INVALID_ARGUMENT naming the key, the value and what is allowed, never read as some default: an
+on/off setting is a TOML boolean (``true``/``false``) or, in the environment, one of
+``ENV_BOOLEANS``; a count is a whole number (``max_gpus`` may be 0, the other caps at least 1);
+seconds are a finite number above 0. Unknown keys, and ``[pool]`` shapes whose image is neither
+a recipe nor in the image store, are refused at load.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields, replace
@@ -21,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from vmsandbox.errors import InvalidArgument
+from vmsandbox.resources import RECIPES
 from vmsandbox.validate import positive_int, validate_image_name
 
 DEFAULT_CONFIG_FILE = "/etc/vmsandbox/config.toml"
@@ -31,6 +40,14 @@ DEFAULT_DISK_GIB = 4
 # The QEMU that virt type ``auto`` boots to see whether KVM runs guests (``probe_qemu``).
 QEMU = "/usr/bin/qemu-system-x86_64"
 GPU_FIRMWARE = ("auto", "uefi", "bios")
+VIRT_TYPES = ("auto", "kvm", "qemu")
+# The words an on/off setting takes in the environment (any case); TOML takes true and false.
+ENV_BOOLEANS = {
+    **{word: True for word in ("true", "yes", "on", "1")},
+    **{word: False for word in ("false", "no", "off", "0")},
+}
+# Counts that may be 0 (the other whole-number keys are caps of at least 1).
+_ZERO_ALLOWED = ("max_gpus",)
 
 _ENV = {
     "uri": "VMSANDBOX_URI",
@@ -40,12 +57,11 @@ _ENV = {
     "network": "VMSANDBOX_NETWORK",
     "boot_timeout": "VMSANDBOX_BOOT_TIMEOUT",
     "openshell_allowed_uids": "VMSANDBOX_OPENSHELL_ALLOWED_UIDS",
+    "openshell_delegate_uids": "VMSANDBOX_OPENSHELL_DELEGATE_UIDS",
     "guest_outbound": "VMSANDBOX_GUEST_OUTBOUND",
+    "guest_blocked_networks": "VMSANDBOX_GUEST_BLOCKED_NETWORKS",
     "require_gpu_reset": "VMSANDBOX_REQUIRE_GPU_RESET",
     "lock_timeout": "VMSANDBOX_LOCK_TIMEOUT",
-    "gpu_sanitize": "VMSANDBOX_GPU_SANITIZE",
-    "gpu_scrub_hook": "VMSANDBOX_GPU_SCRUB_HOOK",
-    "require_gpu_memory_clear": "VMSANDBOX_REQUIRE_GPU_MEMORY_CLEAR",
     "fmpm": "VMSANDBOX_FMPM",
     "fmpm_timeout": "VMSANDBOX_FMPM_TIMEOUT",
     "fm_unix_socket": "VMSANDBOX_FM_UNIX_SOCKET",
@@ -57,14 +73,21 @@ _ENV = {
     "gpu_firmware": "VMSANDBOX_GPU_FIRMWARE",
 }
 _POOL_KEYS = ("image", "cpus", "memory_mib", "disk_gib", "count", "gpus")
-_PATHS = (
-    "state_dir",
-    "image_dir",
-    "ovmf_code",
-    "ovmf_vars",
-    "fabric_manager_config",
-    "pci_sysfs",
+_PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config", "pci_sysfs")
+# What guests with outbound network never reach by default (vm/netguard.py): the private
+# ranges (RFC 1918), shared address space (RFC 6598: carrier NAT, overlay networks such as
+# Tailscale's), link-local (cloud metadata services at 169.254.169.254) and IPv6 unique-local
+# and link-local, where a fleet's Ray head and nodes, metrics and Fabric Manager live.
+BLOCKED_NETWORKS = (
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "169.254.0.0/16",
+    "fc00::/7",
+    "fe80::/10",
 )
+_CHOICES = {"virt_type": VIRT_TYPES, "gpu_firmware": GPU_FIRMWARE}
 
 
 @dataclass(frozen=True)
@@ -81,8 +104,10 @@ class Config:
     # Any other value names a libvirt network; the guest address comes from its DHCP lease.
     network: str = "user"
     # With "user" networking: whether the guest may open connections to the outside world
-    # (never to this host's own addresses: vm/netguard.py).
+    # (never to this host's own addresses, nor to ``guest_blocked_networks``: vm/netguard.py).
     guest_outbound: bool = False
+    # Networks (CIDR) such guests must not reach either: the fleet's and the site's own.
+    guest_blocked_networks: tuple[str, ...] = BLOCKED_NETWORKS
     ssh_user: str = "sandbox"
     boot_timeout: float = 300.0  # seconds for a guest without GPUs to answer SSH
     max_cpus: int = 8
@@ -94,25 +119,11 @@ class Config:
     # Refuse GPUs the kernel cannot reset (host/discover.py): the next tenant could read the
     # last one's GPU memory. Off only where GPU memory is cleared by other means.
     require_gpu_reset: bool = True
-    # GPU custody between tenants (vmsandbox/gpu/custody): every released GPU is reset,
-    # checked and cleared before it is free again. Off only to show that the canary test can
-    # fail (bench/gpu_handoff.py): a released GPU is then free at once, as it is.
-    gpu_sanitize: bool = True
-    # A command run with a released GPU's BDF that clears its memory (exit 0: done), for GPUs
-    # whose memory no hardware clear vmsandbox knows empties (all but NVIDIA Turing and later).
-    gpu_scrub_hook: str = ""
-    gpu_scrub_timeout: float = 600.0
-    # Refuse to free a GPU whose memory nothing cleared (no hardware clear, no scrub hook).
-    require_gpu_memory_clear: bool = True
-    gpu_reset_timeout: float = 30.0  # seconds for a reset, and for the GPU to answer after it
-    # The health monitor (vmsandbox serve, vmsandbox gpus watch): seconds between its looks
-    # at the host (config space, power state, AER in the kernel log, paused domains), and
-    # between its looks into running GPU guests' kernel logs for Xid errors.
-    gpu_health_interval: float = 1.0
-    gpu_xid_interval: float = 30.0
-    # Where the kernel lists the host's PCI functions; custody resets and reads GPUs there.
-    # The unit tests point it at a tree of plain files, so they never touch a real device.
-    pci_sysfs: Path = Path("/sys/bus/pci/devices")
+    gpu_sanitize: bool = True  # GPU custody (gpu/custody): off only to show the canary fail
+    gpu_scrub_hook: str = ""  # a command that clears a released GPU's memory, given its BDF
+    require_gpu_memory_clear: bool = True  # refuse to free a GPU whose memory nothing cleared
+    gpu_health_interval: float = 1.0  # seconds between the health monitor's looks at the GPUs
+    pci_sysfs: Path = Path("/sys/bus/pci/devices")  # the unit tests': a tree of plain files
     # Seconds a call waits for its turn at the host lock (vmsandbox/lock.py) before it fails
     # with DEADLINE_EXCEEDED naming the holder.
     lock_timeout: float = 60.0
@@ -121,8 +132,12 @@ class Config:
     gpu_firmware: str = "auto"
     ovmf_code: Path = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
     ovmf_vars: Path = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
-    # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver socket.
+    # `vmsandbox serve`: uids besides the server's own that may use the OpenShell driver
+    # socket, each one gateway (openshell/caller.py: a gateway sees and acts on its own only).
     openshell_allowed_uids: tuple[int, ...] = ()
+    # uids trusted to speak for gateways they name in each call (a fleet agent), each named
+    # gateway an owner of its own; they may use the socket too.
+    openshell_delegate_uids: tuple[int, ...] = ()
     # The OpenShell supervisor (openshell-sandbox binary) every driver-made sandbox runs, the
     # gateway endpoint it dials (on this host's loopback) and, for https, the TLS files it gets.
     openshell_supervisor: str = ""
@@ -173,96 +188,136 @@ class Config:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, **overrides: Any) -> Config:
-        """Defaults < config file < environment < keyword overrides."""
-        values: dict[str, Any] = {}
+        """Defaults < config file < environment < keyword overrides, each value checked for
+        its key's type and range (INVALID_ARGUMENT naming the key, the value, where it came
+        from and what is allowed)."""
+        values: dict[str, tuple[Any, str]] = {}  # key -> (value, where it was set)
         file = Path(path or os.environ.get("VMSANDBOX_CONFIG", DEFAULT_CONFIG_FILE))
         if file.is_file():
             try:
                 with file.open("rb") as handle:
-                    values.update(tomllib.load(handle))
+                    values.update((k, (v, str(file))) for k, v in tomllib.load(handle).items())
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise InvalidArgument(f"config file {file} cannot be read: {exc}") from exc
         for key, env in _ENV.items():
             if env in os.environ:
-                values[key] = os.environ[env]
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return _coerce(cls(), values, file)
+                values[key] = (os.environ[env], f"${env}")
+        values.update((k, (v, "the caller")) for k, v in overrides.items() if v is not None)
+        return _coerce(cls(), values)
 
 
-def _uids(raw: Any) -> tuple[int, ...]:
-    """A list of uids: a TOML list of integers, or a comma-separated string (environment)."""
-    items = raw if isinstance(raw, list) else [part for part in str(raw).split(",") if part]
-    uids = tuple(int(item) for item in items)
-    if any(uid < 0 for uid in uids):
-        raise ValueError(f"uids are not negative, got {list(uids)}")
-    return uids
+def _refuse(key: str, raw: object, where: str, allowed: str) -> InvalidArgument:
+    """The error for a value of ``key`` (set in ``where``) that is not ``allowed``."""
+    return InvalidArgument(
+        f"config key {key!r} (set in {where}) has the value {raw!r}; allowed: {allowed}",
+        details={"field": key, "value": repr(raw), "allowed": allowed, "source": where},
+    )
 
 
-def _labels(raw: Any) -> tuple[tuple[str, str], ...]:
+def _typed(key: str, raw: Any, where: str, default: Any) -> Any:
+    """``raw`` as a value of ``key``'s type (the type of its ``default``). The environment
+    gives text; a TOML file and Python callers give typed values, which must be of the type."""
+    text = where.startswith("$")  # an environment variable
+    if isinstance(default, bool):
+        if isinstance(raw, bool):
+            return raw
+        if text and str(raw).strip().lower() in ENV_BOOLEANS:
+            return ENV_BOOLEANS[str(raw).strip().lower()]
+        words = "/".join(ENV_BOOLEANS)
+        raise _refuse(key, raw, where, f"{words} (any case)" if text else "true or false")
+    if isinstance(default, tuple):
+        return _uids(key, raw, where)
+    if isinstance(default, int):
+        least = 0 if key in _ZERO_ALLOWED else 1
+        number = raw if text is False else (int(raw) if _digits(raw) else None)
+        if isinstance(number, bool) or not isinstance(number, int) or number < least:
+            raise _refuse(key, raw, where, f"a whole number of at least {least}")
+        return number
+    if isinstance(default, float):
+        number = raw
+        if text:
+            try:
+                number = float(raw)
+            except ValueError:
+                number = None
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            number = math.nan
+        if not math.isfinite(number) or number <= 0:
+            raise _refuse(key, raw, where, "a number of seconds above 0")
+        return float(number)
+    if key in _PATHS:
+        if not isinstance(raw, str | Path) or not str(raw):
+            raise _refuse(key, raw, where, "a path")
+        return Path(raw)
+    if not isinstance(raw, str):
+        raise _refuse(key, raw, where, "a string")
+    if key in _CHOICES and raw not in _CHOICES[key]:
+        raise _refuse(key, raw, where, f"one of {', '.join(_CHOICES[key])}")
+    return raw
+
+
+def _digits(text: object) -> bool:
+    return isinstance(text, str) and text.isascii() and text.isdecimal()
+
+
+def _uids(key: str, raw: Any, where: str) -> tuple[int, ...]:
+    """A list of uids: a TOML list of whole numbers, or comma-separated ones (environment)."""
+    items = raw if isinstance(raw, list | tuple) else None
+    if isinstance(raw, str) and where.startswith("$"):
+        items = [int(p) if _digits(p.strip()) else p for p in raw.split(",") if p.strip()]
+    if items is None or not all(
+        isinstance(uid, int) and not isinstance(uid, bool) and uid >= 0 for uid in items
+    ):
+        raise _refuse(key, raw, where, "a list of uids (whole numbers, 0 or more)")
+    return tuple(items)
+
+
+def _networks(key: str, raw: Any, where: str) -> tuple[str, ...]:
+    """A list of networks in CIDR notation (a TOML list, or comma-separated ones in the
+    environment), each written as its network (host bits cleared)."""
+    items = raw if isinstance(raw, list | tuple) else None
+    if isinstance(raw, str) and where.startswith("$"):
+        items = [part for part in raw.split(",") if part.strip()]
+    allowed = "a list of networks in CIDR notation, such as 10.0.0.0/8 or fc00::/7"
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise _refuse(key, raw, where, allowed)
+    try:
+        return tuple(str(ipaddress.ip_network(item.strip(), strict=False)) for item in items)
+    except ValueError as exc:
+        raise _refuse(key, raw, where, allowed) from exc
+
+
+def _labels(raw: Any, where: str) -> tuple[tuple[str, str], ...]:
     """A table of label keys to values, all strings (a TOML table), as sorted pairs."""
     if not isinstance(raw, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
     ):
-        raise ValueError("expected a table of label names to string values")
+        raise _refuse(
+            "openshell_required_labels", raw, where, "a table of label names to string values"
+        )
     return tuple(sorted(raw.items()))
 
 
-def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
-    known = {f.name: f for f in fields(Config)}
+def _coerce(base: Config, values: dict[str, tuple[Any, str]]) -> Config:
+    known = sorted(f.name for f in fields(Config))
     changes: dict[str, Any] = {}
-    for key, raw in values.items():
+    for key, (raw, where) in values.items():
         if key not in known:
             raise InvalidArgument(
-                f"unknown config key {key!r} (from {source} or the environment); "
-                f"known keys: {', '.join(sorted(known))}"
+                f"unknown config key {key!r} (set in {where}); known keys: {', '.join(known)}",
+                details={"field": key, "value": repr(raw), "source": where},
             )
-        default = getattr(base, key)
-        value: Any
-        try:
-            if key == "pool":
-                changes[key] = parse_pool(raw)
-                continue
-            if key == "openshell_required_labels":
-                changes[key] = _labels(raw)
-                continue
-            if isinstance(default, tuple):
-                value = _uids(raw)
-            elif isinstance(default, bool):
-                value = raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
-            elif isinstance(default, int):
-                value = int(raw)
-            elif isinstance(default, float):
-                value = float(raw)
-            elif key in _PATHS:
-                value = Path(raw)
-            else:
-                value = str(raw)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"config key {key!r} has a bad value {raw!r}: {exc}") from exc
-        changes[key] = value
+        if key == "pool":
+            changes[key] = parse_pool(raw)
+        elif key == "openshell_required_labels":
+            changes[key] = _labels(raw, where)
+        elif key == "guest_blocked_networks":
+            changes[key] = _networks(key, raw, where)
+        else:
+            changes[key] = _typed(key, raw, where, getattr(base, key))
     config = replace(base, **changes)
-    if config.virt_type not in ("auto", "kvm", "qemu"):
-        raise InvalidArgument(
-            f"config virt_type {config.virt_type!r} is not one of auto, kvm, qemu"
-        )
-    if config.gpu_firmware not in GPU_FIRMWARE:
-        raise InvalidArgument(
-            f"config gpu_firmware {config.gpu_firmware!r} is not one of {', '.join(GPU_FIRMWARE)}",
-            details={"field": "gpu_firmware", "value": config.gpu_firmware},
-        )
     for shape in config.pool:
-        for what, value, cap in (
-            ("gpus", shape.gpus, config.max_gpus),
-            ("cpus", shape.cpus, config.max_cpus),
-            ("memory_mib", shape.memory_mib, config.max_memory_mib),
-            ("disk_gib", shape.disk_gib, config.max_disk_gib),
-        ):
-            if value > cap:
-                raise InvalidArgument(
-                    f"config pool.{shape.key}.{what} {value} is over this host's cap of {cap} "
-                    "per sandbox",
-                    details={"field": f"pool.{shape.key}.{what}", "value": value, "max": cap},
-                )
+        _check_shape(config, shape)
     if config.fm_unix_socket and config.fm_hostname:
         raise InvalidArgument(
             f"config sets both fm_unix_socket {config.fm_unix_socket!r} and fm_hostname "
@@ -270,6 +325,36 @@ def _coerce(base: Config, values: dict[str, Any], source: Path) -> Config:
             details={"field": "fm_hostname", "value": config.fm_hostname},
         )
     return config
+
+
+def _check_shape(config: Config, shape: PoolShape) -> None:
+    """A ``[pool]`` shape within the caps per sandbox, of an image that is a recipe or in the
+    store: a typo (``mnimal = 1``) is refused here, not when ``pool fill`` gets to it."""
+    for what, value, cap in (
+        ("gpus", shape.gpus, config.max_gpus),
+        ("cpus", shape.cpus, config.max_cpus),
+        ("memory_mib", shape.memory_mib, config.max_memory_mib),
+        ("disk_gib", shape.disk_gib, config.max_disk_gib),
+    ):
+        if value > cap:
+            raise InvalidArgument(
+                f"config pool.{shape.key}.{what} {value} is over this host's cap of {cap} "
+                "per sandbox",
+                details={"field": f"pool.{shape.key}.{what}", "value": value, "max": cap},
+            )
+    recipes = sorted(p.parent.name for p in RECIPES.glob("*/recipe.toml"))
+    try:
+        stored = sorted(p.name for p in config.images.iterdir() if p.is_dir())
+    except OSError:  # no image store yet (or none this user may read)
+        stored = []
+    if shape.image not in recipes and shape.image not in stored:
+        field = f"pool.{shape.key}" if shape.image == shape.key else f"pool.{shape.key}.image"
+        raise InvalidArgument(
+            f"config {field} names image {shape.image!r}, which is neither a recipe "
+            f"({', '.join(recipes) or 'none'}) nor an image in {config.images} "
+            f"({', '.join(stored) or 'none'})",
+            details={"field": field, "value": shape.image, "allowed": [*recipes, *stored]},
+        )
 
 
 @dataclass(frozen=True)

@@ -65,10 +65,17 @@ class DeadlineExceeded(VmSandboxError):
 
 
 class Unauthenticated(VmSandboxError):
-    """A credential identifies no sandbox (gRPC code 16). Only the OpenShell driver's
-    AuthenticateSandbox raises it; its message never repeats the credential."""
+    """A credential identifies no sandbox, or the OpenShell driver cannot tell who calls (gRPC
+    code 16). Its message never repeats a credential."""
 
     code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(VmSandboxError):
+    """The caller is known but may not do this (gRPC code 7): a peer of the OpenShell driver's
+    socket that names a gateway without being a trusted delegate (openshell/caller.py)."""
+
+    code = "PERMISSION_DENIED"
 
 
 class Internal(VmSandboxError):
@@ -88,5 +95,6 @@ ALL_CODES = (
     "UNAVAILABLE",
     "DEADLINE_EXCEEDED",
     "UNAUTHENTICATED",
+    "PERMISSION_DENIED",
     "INTERNAL",
 )

@@ -1,8 +1,9 @@
-"""Where the files that ship beside the code are: the domain XML template and the image recipes.
+"""Where the files that ship beside the code are: the domain XML template, the image recipes
+and the systemd units.
 
-They live at the top of the repository (``templates/``, ``images/``), which is where a checkout
-or an editable install finds them; a wheel carries them inside the package as
-``vmsandbox/_data/templates`` and ``vmsandbox/_data/images`` (mapped at build time by setup.py).
+They live at the top of the repository (``templates/``, ``images/``, ``systemd/``), which is
+where a checkout or an editable install finds them; a wheel carries them inside the package as
+``vmsandbox/_data/<folder>`` (mapped at build time by setup.py).
 """
 
 from __future__ import annotations
@@ -20,3 +21,4 @@ def data_dir(name: str) -> Path:
 
 TEMPLATES = data_dir("templates")
 RECIPES = data_dir("images")
+SYSTEMD = data_dir("systemd")  # the units that run ``vmsandbox reap`` (docs/sandbox-access.md)

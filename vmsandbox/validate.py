@@ -8,6 +8,7 @@ the guest's control channel, the ``[pool]`` table of the configuration), and eac
 
 from __future__ import annotations
 
+import math
 import re
 
 from vmsandbox.errors import InvalidArgument
@@ -53,3 +54,61 @@ def positive_int(value: object, what: str) -> int:
             details={"field": what, "value": repr(value)},
         )
     return value
+
+
+# Durations: a whole number of seconds ("90"), or numbers with units ("30m", "2h", "1d",
+# "1h30m", "1.5h"). A lifetime longer than DURATION_MAX_S is refused rather than stored: no
+# sandbox is meant to outlive a year, and the bound keeps every expiry a valid timestamp.
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+DURATION_MAX_S = 366 * 86400
+_DURATION_RE = re.compile(r"(?:(\d+(?:\.\d+)?)([smhd]))+?\Z")
+_DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+DURATION_ALLOWED = "a duration above 0 such as 90 (seconds), 30m, 2h, 1d or 1h30m, at most 366d"
+
+
+def parse_duration(text: object, what: str = "ttl") -> int:
+    """Whole seconds (rounded up) of a duration: a plain number of seconds or numbers with
+    units s, m, h, d, one after another. INVALID_ARGUMENT naming ``what``, the value and what
+    is allowed for anything else, and for zero, negative and overlong durations."""
+    seconds: float | None = None
+    if isinstance(text, str):
+        spelled = text.strip().lower()
+        if spelled.isascii() and re.fullmatch(r"\d+(?:\.\d+)?", spelled):
+            seconds = float(spelled)
+        elif spelled.isascii() and _DURATION_RE.match(spelled):
+            seconds = sum(
+                float(number) * DURATION_UNITS[unit]
+                for number, unit in _DURATION_PART_RE.findall(spelled)
+            )
+    return check_duration(seconds, what, shown=text)
+
+
+def check_duration(seconds: object, what: str = "ttl", *, shown: object = None) -> int:
+    """Whole seconds (rounded up) of a number of seconds above 0 and at most DURATION_MAX_S;
+    INVALID_ARGUMENT naming ``what``, the value (``shown``, or ``seconds``) and what is allowed."""
+    value = seconds if shown is None else shown
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not 0 < seconds <= DURATION_MAX_S  # NaN fails this too
+    ):
+        raise InvalidArgument(
+            f"{what} {value!r} is not valid: use {DURATION_ALLOWED}",
+            details={"field": what, "value": repr(value), "allowed": DURATION_ALLOWED},
+        )
+    return math.ceil(seconds)
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` for people, to the minute beyond an hour: 45s, 12m30s, 2h05m, 3d04h."""
+    left = max(0, math.ceil(seconds))
+    days, rest = divmod(left, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"

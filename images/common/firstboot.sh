@@ -55,19 +55,28 @@ StandardError=journal+console
 WantedBy=multi-user.target
 UNIT
 
-# The root filesystem grows to the overlay's size once sshd is up, off the way to it; at every
-# boot (a no-op once grown).
+# The root filesystem grows to the overlay's size before sshd starts, so that a sandbox answers
+# SSH with its whole disk: a job started as soon as create returns (a gateway's normal path)
+# must not find the image's few hundred MiB free. It starts as soon as the root is writable and
+# runs beside the rest of the way to sshd (its time is mostly the host writing the overlay),
+# once: a sandbox's disk never changes size.
 cat > "$units/vmsandbox-growfs.service" <<'UNIT'
 [Unit]
-Description=vmsandbox: grow the root filesystem to its disk
-After=ssh.service
+Description=vmsandbox: grow the root filesystem to its disk, before sshd
+DefaultDependencies=no
+After=systemd-remount-fs.service
+Before=ssh.service vmsandbox-boot.service shutdown.target
+Conflicts=shutdown.target
+ConditionPathExists=!/var/lib/vmsandbox/rootfs-grown
 
 [Service]
 Type=oneshot
-ExecStart=/bin/sh -c 'exec resize2fs "$(findmnt -no SOURCE /)"'
+RemainAfterExit=yes
+TimeoutStartSec=300
+ExecStart=/bin/sh -c 'resize2fs "$(findmnt -no SOURCE /)" && mkdir -p /var/lib/vmsandbox && : > /var/lib/vmsandbox/rootfs-grown'
 
 [Install]
-WantedBy=multi-user.target
+WantedBy=sysinit.target
 UNIT
 
 # Compiled here, once: run as a script, the program would be compiled again at every boot. Its

@@ -113,8 +113,9 @@ printf '[Unit]\nConditionPathExists=!/run/vmsandbox/firstboot-lean\n' \
   > "$root/etc/systemd/system/vmsandbox-firstboot.service.d/90-lean.conf"
 
 # sshd first: the kernel command line (the recipe's kernel_args) boots
-# vmsandbox-sshd.target, which holds only sshd (and the Python first-boot unit, for seeds /init
-# left to it); once sshd has started, vmsandbox-boot.service says so on the console and starts
+# vmsandbox-sshd.target, which holds only sshd, the root filesystem's growth to the disk's size
+# (before sshd: images/common/firstboot.sh) and the Python first-boot unit, for seeds /init
+# left to it; once sshd has started, vmsandbox-boot.service says so on the console and starts
 # the default target, the rest of the boot (udev, journald, networkd, D-Bus, logind, the serial
 # login...). sshd listens on every address and needs no network, no udev and no journald to
 # start, so the copy of Debian's unit here has no default dependencies (which order it after
@@ -130,7 +131,7 @@ grep -q '^DefaultDependencies=no$' "$root/etc/systemd/system/ssh.service"
 cat > "$root/etc/systemd/system/vmsandbox-sshd.target" <<'UNIT'
 [Unit]
 Description=vmsandbox: sshd first, then the rest of the boot
-Wants=vmsandbox-firstboot.service ssh.service vmsandbox-boot.service
+Wants=vmsandbox-firstboot.service vmsandbox-growfs.service ssh.service vmsandbox-boot.service
 Wants=systemd-journald.socket systemd-journald-dev-log.socket
 AllowIsolate=yes
 UNIT

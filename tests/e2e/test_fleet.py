@@ -42,12 +42,14 @@ BOOT = 900.0  # seconds a guest may take to answer SSH under TCG on a busy machi
 
 def host_config(root: Path, name: str, pool: int) -> tuple[Config, dict[str, str]]:
     """Host ``name``'s config (its own state directory, the shared image store) and the
-    environment of its processes; ``pool`` minimal guests kept ready."""
+    environment of its processes; ``pool`` minimal guests kept ready. The fleet's agent runs
+    as this uid, which the host trusts to speak for the gateways (openshell/caller.py)."""
     folder = root / name
     folder.mkdir()
     os.chmod(folder, 0o711)
     config_file = folder / "config.toml"
-    config_file.write_text(f"[pool]\nminimal = {pool}\n" if pool else "")
+    delegate = f"openshell_delegate_uids = [{os.geteuid()}]\n"
+    config_file.write_text(delegate + (f"[pool]\nminimal = {pool}\n" if pool else ""))
     config = make_config(folder / "state", **({"pool": {"minimal": pool}} if pool else {}))
     return config, cli_env(config, VMSANDBOX_CONFIG=str(config_file))
 

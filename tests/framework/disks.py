@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import subprocess
 from pathlib import Path
 
 
@@ -14,4 +15,13 @@ def raw_disk(path: Path, *, size: int = 4 << 20) -> Path:
     with path.open("wb") as handle:
         handle.write(mbr)
         handle.truncate(size)
+    return path
+
+
+def mbr_qcow2(path: Path, size: str = "64M") -> Path:
+    """A qcow2 whose first sector ends in the MBR signature: importable (``images import``
+    refuses a blank qcow2), though nothing in it boots."""
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(path), size], check=True)
+    signature = ["-c", "write -P 0x55 510 1", "-c", "write -P 0xaa 511 1"]
+    subprocess.run(["qemu-io", *signature, str(path)], check=True, capture_output=True)
     return path

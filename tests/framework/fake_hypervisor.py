@@ -65,10 +65,11 @@ class FakeHypervisor:
         if operation in self.before:
             self.before[operation](domain)
 
-    def _get(self, domain: str) -> FakeDomain:
-        if domain not in self.domains:
-            raise NotFound(f"no domain {domain!r}")
-        return self.domains[domain]
+    def _get(self, domain: str, uuid: str | None = None) -> FakeDomain:
+        name = self._named(domain, uuid)
+        if name is None:
+            raise NotFound(f"no domain {domain!r}" + (f" with uuid {uuid}" if uuid else ""))
+        return self.domains[name]
 
     def define(self, xml: str) -> None:
         """As libvirt: a definition replaces the one of the domain with its name and UUID (a
@@ -99,9 +100,9 @@ class FakeHypervisor:
             return next((n for n, d in self.domains.items() if d.uuid == uuid), None)
         return domain if domain in self.domains else None
 
-    def start(self, domain: str) -> None:
+    def start(self, domain: str, uuid: str | None = None) -> None:
         self._hook("start", domain)
-        dom = self._get(domain)
+        dom = self._get(domain, uuid)
         if dom.running:
             raise FailedPrecondition(f"starting domain {domain!r}: domain is already running")
         dom.running = True
@@ -125,12 +126,13 @@ class FakeHypervisor:
         if name is not None and self.domains[name].running:
             self._powered_off(name, "it was forced off (destroyed)")
 
-    def shutdown(self, domain: str) -> None:
+    def shutdown(self, domain: str, uuid: str | None = None) -> None:
         """The ACPI button: a fake guest powers off at once unless it ``ignores_acpi``."""
         self._hook("shutdown", domain)
-        dom = self.domains.get(domain)
-        if dom is not None and dom.running and not dom.ignores_acpi:
-            self._powered_off(domain, "the guest powered itself off")
+        name = self._named(domain, uuid)
+        dom = self.domains[name] if name is not None else None
+        if name is not None and dom is not None and dom.running and not dom.ignores_acpi:
+            self._powered_off(name, "the guest powered itself off")
 
     def undefine(self, domain: str, uuid: str | None = None) -> None:
         """As libvirt: a running guest runs on without a definition until it is off."""
@@ -143,14 +145,17 @@ class FakeHypervisor:
         else:
             del self.domains[name]
 
-    def running(self, domain: str) -> bool:
+    def running(self, domain: str, uuid: str | None = None) -> bool:
         self._hook("running", domain)
-        return domain in self.domains and self.domains[domain].running
+        name = self._named(domain, uuid)
+        return name is not None and self.domains[name].running
 
-    def stop_reason(self, domain: str) -> str:
+    def stop_reason(self, domain: str, uuid: str | None = None) -> str:
         """Never raises, as ``LibvirtHypervisor``'s: it words an error already being raised."""
-        dom = self.domains.get(domain)
-        return dom.reason if dom is not None else f"its state cannot be read: no domain {domain!r}"
+        name = self._named(domain, uuid)
+        if name is None:
+            return f"its state cannot be read: no domain {domain!r}"
+        return self.domains[name].reason
 
     def every_domain(self) -> list[Stored]:
         self._hook("every_domain", "")
@@ -168,26 +173,32 @@ class FakeHypervisor:
             if stored.domain.startswith(prefix)
         ]
 
-    def metadata(self, domain: str) -> Stored | None:
+    def metadata(self, domain: str, uuid: str | None = None) -> Stored | None:
         self._hook("metadata", domain)
-        dom = self.domains.get(domain)
-        return Stored(domain, dom.data, dom.state, dom.uuid) if dom else None
+        name = self._named(domain, uuid)
+        if name is None:
+            return None
+        dom = self.domains[name]
+        return Stored(name, dom.data, dom.state, dom.uuid)
 
-    def definition(self, domain: str) -> str:
+    def definition(self, domain: str, uuid: str | None = None) -> str:
         """The persistent definition: the next one, while a guest runs on an older one."""
         self._hook("definition", domain)
-        dom = self._get(domain)
+        dom = self._get(domain, uuid)
         return dom.next_xml if dom.next_xml is not None else dom.xml
 
-    def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None:
+    def set_metadata(
+        self, domain: str, data: dict[str, Any], state: str, uuid: str | None = None
+    ) -> None:
         """The record, state and title, in the definition too (AFFECT_LIVE | AFFECT_CONFIG)."""
         self._hook("set_metadata", domain)
-        dom = self._get(domain)
+        dom = self._get(domain, uuid)
         dom.data, dom.state = data, state
         dom.change(lambda root: _set_record(root, data, state))
 
-    def lease_address(self, domain: str) -> str | None:
-        return self.leases.get(domain)
+    def lease_address(self, domain: str, uuid: str | None = None) -> str | None:
+        name = self._named(domain, uuid)
+        return self.leases.get(name) if name is not None else None
 
     @staticmethod
     def _hostdevs(dom: FakeDomain) -> tuple[str, ...]:
@@ -209,22 +220,23 @@ class FakeHypervisor:
                 holders.setdefault(bdf, stored.domain)
         return holders
 
-    def attach(self, domain: str, xml: str) -> None:
+    def attach(self, domain: str, xml: str, uuid: str | None = None) -> None:
         """To the running guest and to its definition (AFFECT_LIVE | AFFECT_CONFIG): a stopped
         and restarted domain keeps the device."""
         self._hook("attach", domain)
-        dom = self._get(domain)
+        dom = self._get(domain, uuid)
         if not dom.running:
             raise FailedPrecondition(f"domain {domain!r} is not running")
         dom.attached.append(xml)
         dom.change(lambda root: _devices(root).append(etree.fromstring(xml.encode())))
 
-    def detach(self, domain: str, xml: str) -> None:
+    def detach(self, domain: str, xml: str, uuid: str | None = None) -> None:
         """From the running guest and its definition. As libvirt 9.0: one function of a
         multifunction slot cannot be hot-unplugged; a guest that is not running, or does not
         hold the device, is left as it is."""
         self._hook("detach", domain)
-        dom = self.domains.get(domain)
+        name = self._named(domain, uuid)
+        dom = self.domains[name] if name is not None else None
         if dom is None or xml not in dom.attached:
             return
         slot = _guest_slot(xml)

@@ -14,7 +14,9 @@ Run as ``fleet_host.py --socket PATH --root DIR --fabric shared|full|none [--poo
   needs a guest. The pool is filled at start and refilled in this process after each claim.
 
 Everything else is vmsandbox's own code: the allocator, Fabric Manager partitions through
-fmpm, the host lock, the records in the fake domains. SIGTERM ends it.
+fmpm, the host lock, the records in the fake domains, the socket's peer gate; the fleet's
+agents run as this uid, which the host trusts to speak for gateways
+(``openshell_delegate_uids``), as a host's config names its fleet agent's. SIGTERM ends it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -45,6 +49,7 @@ from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
 from vmsandbox.openshell.readiness import Readiness
 from vmsandbox.openshell.service import ComputeDriver
+from vmsandbox.openshell.socket import PeerGate, Peers, allowed_uids
 from vmsandbox.sandbox import runner
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.pool import keeper, shapes, steps
@@ -78,9 +83,9 @@ class InstantReadiness(Readiness):
     """Guests that are ready as soon as they start."""
 
     def become_ready(self, name: str, uuid: str, *, wait: bool = True) -> None:
-        with self._manager() as manager:
-            record, _state = manager.store.get(name)
-            manager.store.put(record, STATE_READY)
+        with self._manager() as manager, manager.locked("ready"):
+            found = manager.store.require(name, uuid)
+            manager.store.commit(found, lambda record: record, STATE_READY)
 
 
 class FakeGuests(ComputeDriver):
@@ -117,7 +122,10 @@ def main() -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    overrides: dict[str, object] = {"boot_timeout": 30.0}
+    overrides: dict[str, object] = {
+        "boot_timeout": 30.0,
+        "openshell_delegate_uids": [os.geteuid()],  # the fleet agent's uid speaks for gateways
+    }
     if args.fabric != "none":
         cfg = root / "fabricmanager.cfg"
         cfg.write_text(f"FABRIC_MODE={1 if args.fabric == 'shared' else 0}\n")
@@ -160,17 +168,23 @@ def main() -> None:
     )
     if metrics is not None:
         metrics.serve(args.metrics_address)
+    peers = Peers()
     pb_grpc.add_ComputeDriverServicer_to_server(
-        FakeGuests(config, Unwatched(), manager=manager), server
+        FakeGuests(config, Unwatched(), manager=manager, peers=peers), server
     )
-    info_grpc.add_HostInfoServicer_to_server(HostInfo(config, manager=manager), server)
-    server.add_insecure_port(f"unix:{args.socket}")
+    info_grpc.add_HostInfoServicer_to_server(HostInfo(config, manager, peers=peers), server)
+    backend = Path(tempfile.mkdtemp(prefix="vmsbx-grpc-")) / "grpc.sock"
+    server.add_insecure_port(f"unix:{backend}")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server.start()
+    gate = PeerGate(Path(args.socket), backend, allowed_uids(config), peers)
+    gate.start()
     print("serving", flush=True)
     stop.wait()
+    gate.close()
     server.stop(2).wait()
+    shutil.rmtree(backend.parent)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ gateway's phase derivation (NVIDIA/OpenShell crates/openshell-server/src/compute
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import shutil
 import signal
@@ -30,10 +31,13 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 import vmsandbox
 from vmsandbox.config import Config
 from vmsandbox.openshell.events import DomainEvent
+from vmsandbox.openshell.hostinfo import HostInfo
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.proto import extension_pb2 as ext
+from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
 from vmsandbox.openshell.service import ComputeDriver
+from vmsandbox.openshell.socket import PeerGate, Peers, allowed_uids
 from vmsandbox.sandbox.manager import SandboxManager
 
 UPSTREAM_SET = FIXTURES / "openshell" / "upstream-v0.1.2.binpb"
@@ -179,31 +183,72 @@ class Unwatched:
     def unsubscribe(self, events: queue.Queue[DomainEvent]) -> None:
         """Nothing to drop."""
 
-    def changed(self, name: str) -> None:
+    def changed(self, name: str, uuid: str) -> None:
         """Nobody to tell."""
 
 
+class Published:
+    """An event source whose events the test publishes (as ``DomainEvents`` would from
+    libvirt's): every watch stream gets each one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: list[queue.Queue[DomainEvent]] = []
+
+    def subscribe(self) -> queue.Queue[DomainEvent]:
+        events: queue.Queue[DomainEvent] = queue.Queue()
+        with self._lock:
+            self._queues.append(events)
+        return events
+
+    def unsubscribe(self, events: queue.Queue[DomainEvent]) -> None:
+        with self._lock:
+            self._queues.remove(events)
+
+    def changed(self, name: str, uuid: str) -> None:
+        self.publish(DomainEvent(name, uuid=uuid))
+
+    def publish(self, event: DomainEvent) -> None:
+        with self._lock:
+            for events in self._queues:
+                events.put(event)
+
+    def watchers(self) -> int:
+        with self._lock:
+            return len(self._queues)
+
+
 @contextlib.contextmanager
-def in_process(config: Config, hypervisor: FakeHypervisor) -> Iterator[Path]:
-    """The driver served in this process on a Unix socket (the path is yielded), its managers
-    over ``hypervisor``; no peer check, no libvirt events."""
+def in_process(config: Config, hypervisor: FakeHypervisor, events: Any = None) -> Iterator[Path]:
+    """The driver and HostInfo served in this process as ``vmsandbox serve`` serves them: gRPC
+    on a private socket behind the peer gate on a public one (its path is yielded, in a folder
+    other uids can reach when the config lets them in), the managers over ``hypervisor``; no
+    libvirt events unless ``events`` is given."""
     folder = Path(tempfile.mkdtemp(prefix="vmsbx-os-"))  # short: a socket path has 108 bytes
-    socket_path = folder / "driver.sock"
-    driver = ComputeDriver(
-        config,
-        Unwatched(),
-        manager=lambda: SandboxManager(config, hypervisor=hypervisor, reconcile=False),
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    os.chmod(folder, 0o711)
+    private = Path(tempfile.mkdtemp(prefix="vmsbx-grpc-"))
+    socket_path, backend = folder / "driver.sock", private / "grpc.sock"
+    peers = Peers()
+
+    def manager() -> SandboxManager:
+        return SandboxManager(config, hypervisor=hypervisor, reconcile=False)
+
+    driver = ComputeDriver(config, events or Unwatched(), manager=manager, peers=peers)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_ComputeDriverServicer_to_server(driver, server)
-    server.add_insecure_port(f"unix:{socket_path}")
+    info_grpc.add_HostInfoServicer_to_server(HostInfo(config, manager, peers=peers), server)
+    server.add_insecure_port(f"unix:{backend}")
     server.start()
+    gate = PeerGate(socket_path, backend, allowed_uids(config), peers)
+    gate.start()
     try:
         yield socket_path
     finally:
+        gate.close()
         server.stop(None).wait()
         driver.close()
         shutil.rmtree(folder)
+        shutil.rmtree(private)
 
 
 def upstream_pool() -> descriptor_pool.DescriptorPool:

@@ -67,7 +67,7 @@ def test_cli_json_errors_are_objects(config: Config):
     [
         (["create", "--memory", "lots"], "--memory 'lots' is not a size"),
         (["create", "--cpus", "0"], "--cpus '0' is not a whole number of at least 1"),
-        (["create", "--disk", "1.5G"], "--disk '1.5G' is not a size"),
+        (["create", "--disk", "1.5X"], "--disk '1.5X' is not a size"),
         # argparse would take a negative value for an option ("expected one argument")
         (["create", "--memory", "-1G"], "--memory '-1G' is not a size"),
         (["create", "--disk", "-5G"], "--disk '-5G' is not a size"),

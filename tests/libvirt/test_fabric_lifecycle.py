@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from framework import paths
 from framework.crash import kill9, start_create, stop_and_clean
+from framework.disks import mbr_qcow2
 from framework.fake_hosts import umockdev_run
 from framework.sandboxes import cli_env, leftovers
 
@@ -77,7 +78,7 @@ def host(config: Config) -> Iterator[FabricHost]:
     os.chmod(root, 0o711)
     own = replace(config, state_dir=root / "state", image_dir=root / "images")
     disk = root / "disk.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "64M"], check=True)
+    mbr_qcow2(disk)
     image = ImageStore(own.images).import_image(disk, "fabric")
     meta = image.path / "meta.json"
     meta.write_text(json.dumps({**image.meta, "nvidia_driver_version": DRIVER}))

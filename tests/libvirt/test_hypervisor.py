@@ -392,6 +392,79 @@ def test_a_uuid_reaches_its_domain_whatever_the_name(kind: Kind) -> None:
     assert kind.hv.list(kind.prefix) == []
 
 
+# Every call of one domain, given the UUID of a domain that is gone while another now has its
+# name, and what it must answer: nothing of the namesake is read or changed.
+_GONE_UUID: dict[str, tuple[Callable[[Any, str, str], object], object]] = {
+    "start": (lambda hv, name, uuid: hv.start(name, uuid=uuid), NotFound),
+    "stop": (lambda hv, name, uuid: hv.stop(name, uuid=uuid), None),
+    "shutdown": (lambda hv, name, uuid: hv.shutdown(name, uuid=uuid), None),
+    "undefine": (lambda hv, name, uuid: hv.undefine(name, uuid=uuid), None),
+    "running": (lambda hv, name, uuid: hv.running(name, uuid=uuid), False),
+    "stop_reason": (
+        lambda hv, name, uuid: hv.stop_reason(name, uuid=uuid)[:24],
+        "its state cannot be read",
+    ),
+    "metadata": (lambda hv, name, uuid: hv.metadata(name, uuid=uuid), None),
+    "definition": (lambda hv, name, uuid: hv.definition(name, uuid=uuid), NotFound),
+    "set_metadata": (
+        lambda hv, name, uuid: hv.set_metadata(name, {"name": "stale"}, "ready", uuid=uuid),
+        NotFound,
+    ),
+    "lease_address": (lambda hv, name, uuid: hv.lease_address(name, uuid=uuid), None),
+    "attach": (lambda hv, name, uuid: hv.attach(name, hostdev(0x42), uuid=uuid), NotFound),
+    "detach": (lambda hv, name, uuid: hv.detach(name, hostdev(0x42), uuid=uuid), None),
+}
+
+
+@pytest.mark.parametrize("operation", sorted(_GONE_UUID))
+def test_a_call_given_a_gone_uuid_never_reaches_the_namesake(kind: Kind, operation: str) -> None:
+    """A caller that looked a sandbox up and acts on it later (a readiness wait, a stop, a
+    teardown) passes the UUID it found: when that domain is gone and another has its name, the
+    call finds nothing, as for an absent name, and the namesake is neither read nor changed."""
+    name = kind.domain("a")
+    first = kind.define("a")
+    kind.hv.undefine(name)
+    second = kind.define("a")
+    kind.hv.start(name)
+    call, answer = _GONE_UUID[operation]
+    if isinstance(answer, type):
+        with pytest.raises(answer):
+            call(kind.hv, name, first)
+    else:
+        assert call(kind.hv, name, first) == answer
+    assert kind.hv.running(name)
+    assert kind.hv.metadata(name) == Stored(name, {"name": "a"}, "creating", second)
+    assert kind.hv.list(kind.prefix) == [Stored(name, {"name": "a"}, "creating", second)]
+
+
+def test_every_call_of_one_domain_takes_a_uuid() -> None:
+    """The promise above covers the whole Protocol: every method that names a domain."""
+    per_domain = {
+        name
+        for name in PROTOCOL_METHODS
+        if "domain" in inspect.signature(getattr(Hypervisor, name)).parameters
+    }
+    assert per_domain == set(_GONE_UUID)
+    for name in per_domain:
+        assert "uuid" in inspect.signature(getattr(Hypervisor, name)).parameters
+
+
+def test_a_uuid_reads_and_writes_its_domain_whatever_the_name(kind: Kind) -> None:
+    uuid = kind.define("a")
+    name, other = kind.domain("a"), kind.domain("renamed")
+    kind.hv.start(other, uuid=uuid)
+    assert kind.hv.running(other, uuid=uuid)
+    kind.hv.set_metadata(other, {"name": "a", "x": 1}, "ready", uuid=uuid)
+    assert kind.hv.metadata(other, uuid=uuid) == Stored(name, {"name": "a", "x": 1}, "ready", uuid)
+    assert domain_xml.read_metadata(kind.hv.definition(other, uuid=uuid)) == (
+        {"name": "a", "x": 1},
+        "ready",
+    )
+    kind.hv.shutdown(other, uuid=uuid)
+    assert not kind.hv.running(name)
+    assert kind.hv.stop_reason(other, uuid=uuid) == "the guest powered itself off"
+
+
 def test_undefining_a_running_domain_leaves_it_running_until_it_stops(kind: Kind) -> None:
     """libvirt's transient domain: still listed, still running, holding what it holds; gone
     once it stops (an undo that undefines before it stops leaves a guest running)."""

@@ -35,7 +35,7 @@ def store_config(config: Config) -> Iterator[Config]:
 def import_version(config: Config, tmp: Path, version: int) -> str:
     """Import a new build of image ``disk`` (content differs per version); its build id."""
     source = raw_disk(tmp / f"v{version}.raw", size=(4 + version) << 20)
-    return ImageStore(config.images).import_image(source, "disk").id
+    return ImageStore(config.images).import_image(source, "disk", replace=True).id
 
 
 def cli_json(config: Config, *args: str) -> tuple[int, dict]:

@@ -34,6 +34,7 @@ import grpc
 import libvirt
 import pytest
 from framework.crash import kill9, wait_for_output
+from framework.disks import mbr_qcow2
 from framework.fake_hosts import umockdev_run
 from framework.openshell_client import Watch, phase, serving, stub
 from framework.paths import REPO
@@ -127,7 +128,7 @@ def make_host(uri: str, *, pool: int = 2, image: str = "chaos") -> Host:
     images = root / "images"
     if image == "chaos":
         disk = root / "disk.qcow2"
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "64M"], check=True)
+        mbr_qcow2(disk)
         built = ImageStore(images).import_image(disk, "chaos")
         meta = built.path / "meta.json"
         meta.write_text(json.dumps({**built.meta, "nvidia_driver_version": DRIVER}))

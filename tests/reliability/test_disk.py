@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from framework.disks import mbr_qcow2
 from framework.sandboxes import cli, leftovers
 
 from vmsandbox.config import Config
@@ -96,8 +97,7 @@ def test_a_read_only_state_directory_is_failed_precondition(config: Config, tmpf
 @pytest.fixture(scope="module")
 def small_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("source") / "small.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(path), "64M"], check=True)
-    return path
+    return mbr_qcow2(path)
 
 
 @pytest.mark.parametrize("how", ["full", "read-only"])

@@ -520,7 +520,8 @@ def test_the_drivers_listing_asks_its_guests_at_once(
     other, each would give up, and the snapshots would lack the guests' state)."""
     from framework.openshell_client import Unwatched
 
-    from vmsandbox.openshell import service
+    from vmsandbox.openshell import service, snapshots
+    from vmsandbox.openshell.socket import Peers
     from vmsandbox.sandbox.record import STATE_READY
 
     config = unit_config(tmp_path)
@@ -530,17 +531,17 @@ def test_the_drivers_listing_asks_its_guests_at_once(
         together.wait()  # BrokenBarrierError, when fewer arrive, fails the test below
         return ExecResult(0, "", "")
 
-    monkeypatch.setattr(service, "ssh_run", query)
+    monkeypatch.setattr(snapshots, "ssh_run", query)
     asked: list[object] = []
-    real_state = service.guest_state
-    monkeypatch.setattr(service, "guest_state", lambda out: asked.append(out) or real_state(out))
+    real_state = snapshots.guest_state
+    monkeypatch.setattr(snapshots, "guest_state", lambda out: asked.append(out) or real_state(out))
     with SandboxManager(config, hypervisor=hv, reconcile=False) as manager:
         for n in range(4):
             made = manager.create(spec(f"s{n}"), wait=False)
             record, _state = manager.store.get(made.name)
             manager.store.put(record, STATE_READY)
-        driver = service.ComputeDriver(config, Unwatched(), manager=lambda: manager)
-        driver._snapshots(manager, manager.list())
+        driver = service.ComputeDriver(config, Unwatched(), manager=lambda: manager, peers=Peers())
+        driver.snapshots.many(manager, manager.list())
     assert len(asked) == 4 and not together.broken
 
 

@@ -1,5 +1,5 @@
-"""The wheel carries the domain template and the image recipes, which live at the top of the
-repository, inside the package (vmsandbox/_data/, mapped by setup.py)."""
+"""The wheel carries the domain template, the image recipes and the systemd units, which live at
+the top of the repository, inside the package (vmsandbox/_data/, mapped by setup.py)."""
 
 from __future__ import annotations
 
@@ -47,12 +47,13 @@ def test_the_wheel_ships_templates_and_recipes(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {
         f"vmsandbox/_data/{path.relative_to(REPO)}"
-        for top in ("templates", "images")
+        for top in ("templates", "images", "systemd")
         for path in (REPO / top).rglob("*")
         if path.is_file()
     }
     assert "vmsandbox/_data/templates/domain.xml" in shipped
     assert "vmsandbox/_data/images/minimal/recipe.toml" in shipped
+    assert "vmsandbox/_data/systemd/vmsandbox-reap.timer" in shipped
     assert shipped <= names, sorted(shipped - names)
     assert {"vmsandbox/py.typed", "vmsandbox/guest/programs/cuda_smoke.py"} <= names
     tools = {  # the guest programs recipes install, Python or not (firstboot_lean.sh)
@@ -69,3 +70,21 @@ def test_the_wheel_ships_templates_and_recipes(tmp_path: Path) -> None:
 def test_a_checkout_finds_its_top_level_folders() -> None:
     assert resources.TEMPLATES == REPO / "templates"
     assert resources.RECIPES == REPO / "images"
+    assert resources.SYSTEMD == REPO / "systemd"
+
+
+def test_the_reap_timer_starts_the_reap_service() -> None:
+    """The units parse as systemd reads them (sections, keys), and the timer starts a
+    service that runs ``vmsandbox reap``."""
+    import configparser
+
+    units = {}
+    for name in ("vmsandbox-reap.service", "vmsandbox-reap.timer"):
+        unit = configparser.ConfigParser(strict=True, interpolation=None)
+        unit.optionxform = str  # type: ignore[assignment,method-assign]
+        unit.read(resources.SYSTEMD / name)
+        units[name] = unit
+    service, timer = units["vmsandbox-reap.service"], units["vmsandbox-reap.timer"]
+    assert service["Service"]["ExecStart"].split()[-2:] == ["vmsandbox", "reap"]
+    assert service["Service"]["Type"] == "oneshot"
+    assert timer["Timer"]["OnUnitActiveSec"] and timer["Install"]["WantedBy"] == "timers.target"

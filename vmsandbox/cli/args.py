@@ -29,30 +29,28 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def _size_mib(text: str) -> int:
+def _size_mib(text: str, *, field: str = "--memory") -> int:
     from vmsandbox.cli.sizes import parse_size_mib
 
-    return parse_size_mib(text, field="--memory", default_unit="MiB")
+    example = "80Gi or 80GB" if field == "--gpu-memory" else ""
+    return parse_size_mib(text, field=field, default_unit="MiB", example=example)
 
 
 def _size_gib(text: str) -> int:
-    from vmsandbox.cli.sizes import parse_size_mib
+    from vmsandbox.cli.sizes import parse_size_gib
 
-    mib = parse_size_mib(text, field="--disk", default_unit="GiB")
-    if mib % 1024:
-        raise InvalidArgument(f"--disk {text!r} must be a whole number of GiB (e.g. 10G, 10GiB)")
-    return mib // 1024
+    return parse_size_gib(text, field="--disk")
 
 
-def _seconds(text: str) -> float:
+def _seconds(text: str, *, field: str = "--timeout") -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
         raise InvalidArgument(
-            f"--timeout {text!r} is not a number of seconds above 0",
-            details={"field": "--timeout", "value": text},
+            f"{field} {text!r} is not a number of seconds above 0",
+            details={"field": field, "value": text},
         )
     return value
 
@@ -77,8 +75,11 @@ def _json_parent() -> _Parser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vmsandbox import __version__
+
     parser = _Parser(prog="vmsandbox", description="libvirt VM sandboxes with GPU passthrough")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--version", action="version", version=f"vmsandbox {__version__}")
     common = [_json_parent()]
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -86,10 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("name", nargs="?", help="sandbox name (generated when omitted)")
     create.add_argument("--image", default="minimal", help="base image (default: minimal)")
     create.add_argument("--cpus", type=functools.partial(_positive, field="--cpus"), default=1)
-    create.add_argument("--memory", type=_size_mib, default=1024, help="e.g. 2048, 2G (MiB)")
-    create.add_argument("--disk", type=_size_gib, default=4, help="e.g. 10, 10G (GiB)")
+    create.add_argument(
+        "--memory", type=_size_mib, default=1024, help="e.g. 2048 (MiB), 2G (default 1024 MiB)"
+    )
+    create.add_argument("--disk", type=_size_gib, default=4, help="e.g. 20 (GiB), 20G (default 4)")
     create.add_argument("--virt-type", choices=("auto", "kvm", "qemu"), default="auto")
     create.add_argument("--timeout", type=_seconds, help="seconds to wait for SSH")
+    from vmsandbox.cli.lifetime import ttl
+
+    create.add_argument(
+        "--ttl", type=ttl, metavar="DURATION", help="destroy it after this long (30m, 2h, 1d)"
+    )
     create.add_argument("--no-wait", action="store_true", help="return once the domain runs")
     create.add_argument(
         "--no-refill",
@@ -127,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--gpu-all", action="store_true", help="every free GPU")
     gpu.add_argument("--gpu-vendor", choices=("nvidia", "amd"))
     gpu.add_argument("--gpu-model", metavar="MODEL", help="e.g. H100 (whole words)")
-    gpu.add_argument("--gpu-memory", metavar="SIZE", help="minimum memory per GPU, e.g. 80Gi")
+    gpu.add_argument(
+        "--gpu-memory",
+        type=functools.partial(_size_mib, field="--gpu-memory"),
+        metavar="SIZE",
+        help="minimum memory per GPU, e.g. 80Gi (binary) or 80GB (decimal)",
+    )
 
     gpus = sub.add_parser(
         "gpus",
@@ -150,14 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
         "exec", parents=common, help="run a command in a sandbox (exit status is its own)"
     )
     exec_.add_argument("name")
-    exec_.add_argument("argv", nargs="*", help="-- CMD [ARGS...]")
+    exec_.add_argument("argv", nargs="*", help="-- CMD [ARGS...] (after '--', whole)")
     exec_.add_argument("--timeout", type=_seconds)
+    from vmsandbox.cli.access import add_exec_options, add_ssh_options
+
+    add_exec_options(exec_)
 
     ssh = sub.add_parser(
         "ssh", parents=common, help="interactive OpenSSH session with the pinned host key"
     )
     ssh.add_argument("name")
-    ssh.add_argument("argv", nargs="*", help="[-- CMD [ARGS...]]")
+    add_ssh_options(ssh)
 
     destroy = sub.add_parser("destroy", parents=common, help="stop and remove sandboxes")
     destroy.add_argument("names", nargs="+")
@@ -165,7 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", parents=common, help="shut a sandbox down, disk and GPUs kept")
     stop.add_argument("name")
     stop.add_argument(
-        "--grace", type=_seconds, default=60.0, help="seconds before power-off (default 60)"
+        "--grace",
+        type=functools.partial(_seconds, field="--grace"),
+        default=60.0,
+        help="seconds before power-off (default 60)",
     )
     start = sub.add_parser("start", parents=common, help="start a stopped sandbox")
     start.add_argument("name")
@@ -220,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     imp = images_sub.add_parser("import", parents=common, help="import a qcow2 or raw disk image")
     imp.add_argument("path")
     imp.add_argument("name")
+    imp.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace the image NAME is now (a recipe's build or another import)",
+    )
     rm = images_sub.add_parser(
         "rm", parents=common, help="remove an image, all its builds (none may be in use)"
     )
@@ -230,12 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     from vmsandbox.fleet.cli import add_parser as add_fleet  # no Ray: that comes when one runs
 
     add_fleet(sub, common)
+    from vmsandbox.cli import access, completion, files, lifetime
+
+    for module in (files, access, lifetime, completion):
+        module.add_parsers(sub, common)
     return parser
 
 
 # Options whose value may be typed negative: argparse would take "-1G" for an option and answer
 # "expected one argument"; glued as "--memory=-1G", the value reaches its check and is named.
-_NUMBER_OPTIONS = ("--memory", "--disk", "--cpus", "--timeout", "--gpu-count", "--gpu-memory")
+_NUMBER_OPTIONS = (
+    *("--memory", "--disk", "--cpus", "--timeout", "--grace", "--gpu-count", "--gpu-memory"),
+    *("--ttl", "--lines"),
+)
 
 
 def glue_negative_values(args_list: list[str]) -> list[str]:

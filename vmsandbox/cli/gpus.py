@@ -20,23 +20,14 @@ import os
 import pwd
 import signal
 import threading
-from typing import Any, Protocol
+from typing import Any
 
+from vmsandbox.cli import common
+from vmsandbox.cli.common import Out as Output
 from vmsandbox.errors import InvalidArgument
 
 
-class Output(Protocol):
-    """Where a command's result goes (``vmsandbox.cli.commands.Output``, which calls this
-    module: named by what it does)."""
-
-    json: bool
-
-    def result(self, data: Any, text: str) -> None: ...
-
-
 def run(args: argparse.Namespace, out: Output) -> int:
-    from vmsandbox.sandbox.manager import SandboxManager
-
     command = args.gpus_command or "list"
     if command != "list" and command != "watch" and not args.bdf:
         raise InvalidArgument(
@@ -47,7 +38,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
             "gpus release frees a GPU without a reset: say --force to do it "
             "('vmsandbox gpus check BDF' resets and re-checks it instead)"
         )
-    with SandboxManager(reconcile=False) as manager:
+    with common.manager() as manager:
         if command == "list":
             return _list(manager, out)
         if command == "watch":

@@ -12,8 +12,13 @@ before the fleet routes a create to it.
 
 Sandboxes the fleet made carry two labels: GATEWAY_LABEL (the gateway that asked) and
 HOST_LABEL (this host). A call names its gateway, and the agent acts only on that gateway's
-sandboxes, so one gateway's request never reaches another's sandbox. Errors come back as
-``{"error": {"code", "message"}}``, with the host's own code.
+sandboxes, so one gateway's request never reaches another's sandbox. The host enforces it too:
+the agent speaks for the gateway in each driver call (``vmsandbox-gateway`` metadata,
+openshell/caller.py), which the host accepts from the agent's uid only when its config trusts
+that uid (``openshell_delegate_uids``); each gateway is then an owner of its own there, and
+sees nothing of another. HostInfo is read without naming one: the agent sees the sandboxes of
+every gateway it speaks for. Errors come back as ``{"error": {"code", "message"}}``, with the
+host's own code.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import grpc
 import ray
 
 from vmsandbox.fleet import claims, model
+from vmsandbox.openshell.caller import FLEET_GATEWAY_LABEL, GATEWAY_METADATA
+from vmsandbox.openshell.dial import Checked
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.proto import host_info_pb2 as info_pb
@@ -35,7 +42,7 @@ from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
 from vmsandbox.openshell.request import ID_LABEL
 
 log = logging.getLogger(__name__)
-GATEWAY_LABEL = "vmsandbox.fleet/gateway"
+GATEWAY_LABEL = FLEET_GATEWAY_LABEL
 HOST_LABEL = "vmsandbox.fleet/host"
 RECONCILE_PERIOD = 1.0  # seconds between two reads of the host (each costs the host a look)
 STRANDED_GRACE = 10.0  # seconds a claim on this node may wait for its sandbox
@@ -43,8 +50,9 @@ PIN_WAIT = 2.0  # seconds to wait for the pinned claim to be placed
 CALL_TIMEOUT = 120.0  # seconds for one call to the host's driver (a create defines and starts)
 
 
-def _error(exc: grpc.RpcError) -> dict[str, Any]:
-    return {"error": {"code": exc.code().name, "message": exc.details() or str(exc)}}
+def _for(gateway: str) -> tuple[tuple[str, str], ...]:
+    """The metadata of a driver call made on behalf of ``gateway``."""
+    return ((GATEWAY_METADATA, gateway),)
 
 
 class HostAgent:
@@ -55,9 +63,9 @@ class HostAgent:
         self.host = host
         self.totals = totals
         self.node_id = ray.get_runtime_context().get_node_id()
-        self._channel = grpc.insecure_channel(f"unix:{socket_path}")
-        self._driver = pb_grpc.ComputeDriverStub(self._channel)
-        self._info_stub = info_grpc.HostInfoStub(self._channel)
+        self._dialled = Checked(socket_path)  # only to a driver of a trusted uid (dial.py)
+        self._driver = pb_grpc.ComputeDriverStub(self._dialled.channel)
+        self._info_stub = info_grpc.HostInfoStub(self._dialled.channel)
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
         self._unmatched: dict[str, float] = {}
@@ -94,11 +102,13 @@ class HostAgent:
             self._in_flight.add(claim)
         try:
             created = self._driver.CreateSandbox(
-                pb.CreateSandboxRequest(sandbox=sandbox), timeout=CALL_TIMEOUT
+                pb.CreateSandboxRequest(sandbox=sandbox),
+                timeout=CALL_TIMEOUT,
+                metadata=_for(gateway),
             )
             info = self._read_info()
         except grpc.RpcError as exc:
-            return _error(exc)
+            return self._failed(exc)
         finally:
             with self._lock:
                 self._in_flight.discard(claim)
@@ -111,9 +121,11 @@ class HostAgent:
         """The gateway's sandboxes on this host, as serialized DriverSandbox snapshots."""
         try:
             info = self._read_info()
-            listed = self._driver.ListSandboxes(pb.ListSandboxesRequest(), timeout=CALL_TIMEOUT)
+            listed = self._driver.ListSandboxes(
+                pb.ListSandboxesRequest(), timeout=CALL_TIMEOUT, metadata=_for(gateway)
+            )
         except grpc.RpcError as exc:
-            return _error(exc)
+            return self._failed(exc)
         ours = {s["labels"].get(ID_LABEL) for s in _owned(info, gateway)}
         return {
             "sandboxes": [s.SerializeToString() for s in listed.sandboxes if s.id in ours],
@@ -124,11 +136,13 @@ class HostAgent:
         empty id when none is); the credential is never logged."""
         try:
             answer = self._driver.AuthenticateSandbox(
-                pb.AuthenticateSandboxRequest(credential=credential), timeout=CALL_TIMEOUT
+                pb.AuthenticateSandboxRequest(credential=credential),
+                timeout=CALL_TIMEOUT,
+                metadata=_for(gateway),
             )
             info = self._read_info()
         except grpc.RpcError as exc:
-            return _error(exc)
+            return self._failed(exc)
         if _find(info, gateway, answer.sandbox_id) is None:
             return {"sandbox_id": "", "runtime_identity": ""}
         return {"sandbox_id": answer.sandbox_id, "runtime_identity": answer.runtime_identity}
@@ -142,20 +156,29 @@ class HostAgent:
                 return {"found": False, "deleted": False}
             message = getattr(pb, f"{rpc}Request").FromString(request)
             message.sandbox_id, message.name = sandbox_id, found["name"]
-            answer = getattr(self._driver, rpc)(message, timeout=CALL_TIMEOUT)
+            answer = getattr(self._driver, rpc)(
+                message, timeout=CALL_TIMEOUT, metadata=_for(gateway)
+            )
         except grpc.RpcError as exc:
-            return _error(exc)
+            return self._failed(exc)
         return {
             "found": True,
             "deleted": bool(getattr(answer, "deleted", False)),
             "runtime_identity": getattr(answer, "runtime_identity", ""),
         }
 
+    def _failed(self, exc: grpc.RpcError) -> dict[str, Any]:
+        """The error of a failed driver call; FAILED_PRECONDITION when the socket's server
+        was refused (not of a trusted uid: nothing was sent to it)."""
+        if self._dialled.refused is not None:
+            return {"error": {"code": "FAILED_PRECONDITION", "message": self._dialled.refused}}
+        return {"error": {"code": exc.code().name, "message": exc.details() or str(exc)}}
+
     def close(self) -> None:
         """Stop reconciling and give the host's pinned claim back (the host leaves)."""
         self._stop.set()
         claims.remove(model.pin_name(self.host))
-        self._channel.close()
+        self._dialled.close()
 
     # -- reconcile --------------------------------------------------------------------------
 
@@ -172,7 +195,9 @@ class HostAgent:
                 self.reconcile()
                 error = None
             except grpc.RpcError as exc:
-                error = f"the host's driver does not answer: {exc.code().name}: {exc.details()}"
+                error = self._dialled.refused or (
+                    f"the host's driver does not answer: {exc.code().name}: {exc.details()}"
+                )
             except Exception as exc:  # Ray or the host: keep trying, say what failed
                 error = f"{type(exc).__name__}: {exc}"
             with self._lock:

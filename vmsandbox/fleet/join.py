@@ -31,6 +31,7 @@ import grpc
 from vmsandbox.errors import AlreadyExists, DeadlineExceeded, Unavailable
 from vmsandbox.fleet import model
 from vmsandbox.fleet.auth import check_token_auth
+from vmsandbox.openshell.dial import Checked
 from vmsandbox.openshell.proto import host_info_pb2 as info_pb
 from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
 
@@ -42,15 +43,17 @@ _STOP_GRACE = 30.0  # seconds the Ray node gets to stop
 
 def read_host(socket_path: str, timeout: float = 30.0, *, wait: bool = True) -> dict:
     """The host's HostInfo document, read from its driver socket (``wait``: for up to
-    ``timeout`` seconds while the driver does not answer yet)."""
+    ``timeout`` seconds while the driver does not answer yet). Only a server that runs as
+    root or as this uid is spoken to (``openshell.dial``): FAILED_PRECONDITION otherwise."""
     deadline = time.monotonic() + (timeout if wait else 0.0)
-    with grpc.insecure_channel(f"unix:{socket_path}") as channel:
-        stub = info_grpc.HostInfoStub(channel)
+    with Checked(socket_path) as dialled:
+        stub = info_grpc.HostInfoStub(dialled.channel)
         while True:
             try:
                 answer = stub.GetHostInfo(info_pb.GetHostInfoRequest(), timeout=timeout)
                 return json.loads(answer.json)
             except grpc.RpcError as exc:
+                dialled.check()
                 if time.monotonic() > deadline or exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise Unavailable(
                         f"no vmsandbox driver answers on {socket_path} "

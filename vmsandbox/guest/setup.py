@@ -68,11 +68,7 @@ class GuestSetup:
     def __post_init__(self) -> None:
         for key, value in self.environment.items():
             check_environment(key, value, "environment")
-        if any(not isinstance(word, str) or "\0" in word for word in self.main):
-            raise InvalidArgument(
-                "the main command's words must be strings without NUL bytes",
-                details={"field": "command"},
-            )
+        check_command(self.main)
         for name in self.units:
             if not _UNIT_RE.match(name) or name == MAIN_UNIT:
                 raise InvalidArgument(
@@ -131,9 +127,28 @@ def systemd_quoted(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def check_command(command: tuple[str, ...] | list[str], field: str = "command") -> None:
+    """A command's words: strings without control characters (a tab is fine). A unit file is
+    read line by line, so a line break in an ExecStart word would end it and add directives
+    of the caller's choosing (``User=root`` after the workload's user); NUL ends the text."""
+    for index, word in enumerate(command):
+        if not isinstance(word, str) or any(_control(ch) for ch in word):
+            raise InvalidArgument(
+                f"{field}[{index}] is {word!r}: a command's words must be text without line "
+                "breaks, NUL or other control characters (a tab is fine)",
+                details={"field": field, "index": index},
+            )
+
+
+def _control(ch: str) -> bool:
+    return (ch < " " and ch != "\t") or ch == "\x7f"
+
+
 def exec_line(command: tuple[str, ...] | list[str]) -> str:
     """``command`` as a unit's ExecStart value: systemd parses it like a shell line, so shlex
-    quoting survives it, with '%' and '$' escaped."""
+    quoting survives it, with '%' and '$' escaped; words with control characters are refused
+    (``check_command``)."""
+    check_command(command)
     return shlex.join(command).replace("%", "%%").replace("$", "$$")
 
 

@@ -11,6 +11,7 @@ import io
 import logging
 import select
 import shlex
+import signal
 import socket
 import sys
 import time
@@ -31,10 +32,38 @@ if TYPE_CHECKING:
 
 
 def _paramiko() -> Any:
-    """paramiko, imported on first use: it costs ~150 ms, and most commands never SSH."""
+    """paramiko, imported on first use: it costs ~150 ms, and most commands never SSH. Its
+    channels are taught the ``exit-signal`` request (``_reading_exit_signal``)."""
     import paramiko
 
+    table = paramiko.Transport._channel_handler_table  # type: ignore[attr-defined]
+    request = paramiko.common.MSG_CHANNEL_REQUEST
+    if not getattr(table[request], "reads_exit_signal", False):
+        table[request] = _reading_exit_signal(table[request])
     return paramiko
+
+
+def _reading_exit_signal(handle: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """paramiko's channel request handler, plus the ``exit-signal`` request (RFC 4254, 6.10)
+    that paramiko ignores: sshd sends it instead of an exit status when the command was
+    killed by a signal. The channel then has ``exit_signal`` (its name, such as "KILL") and
+    the exit status a shell gives such a command, 128 + the signal's number."""
+
+    def handle_request(channel: Any, message: Any) -> None:
+        start = message.packet.tell()
+        if message.get_text() != "exit-signal":
+            message.packet.seek(start)
+            handle(channel, message)
+            return
+        message.get_boolean()  # want-reply: false for this request
+        name = message.get_text()
+        channel.exit_signal = name
+        number = getattr(signal.Signals, f"SIG{name}", None)
+        channel.exit_status = 128 + number.value if number is not None else 255
+        channel.status_event.set()
+
+    handle_request.reads_exit_signal = True  # type: ignore[attr-defined]
+    return handle_request
 
 
 @dataclass(frozen=True)
@@ -49,6 +78,17 @@ class ExecResult:
     exit_status: int
     stdout: str
     stderr: str
+    # The signal that killed the command (its name, such as "KILL"); its exit status is then
+    # 128 + the signal's number, as a shell gives it.
+    signal: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "exit_status": self.exit_status,
+            "signal": self.signal,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+        }
 
 
 class HostKeyMismatch(FailedPrecondition):
@@ -134,8 +174,9 @@ def connect(endpoint: Endpoint, keys: SandboxKeys, timeout: float = 10.0) -> par
     except HostKeyMismatch:
         raise
     except (OSError, _paramiko().SSHException, EOFError) as exc:
+        why = str(exc).removeprefix("[Errno None] ") or type(exc).__name__
         raise Unavailable(
-            f"cannot reach the guest over SSH at {endpoint.host}:{endpoint.port}: {exc}"
+            f"cannot reach the guest over SSH at {endpoint.host}:{endpoint.port}: {why}"
         ) from exc
 
 
@@ -361,6 +402,7 @@ def _session(
         exit_status=status,
         stdout=collected_out.getvalue().decode(errors="replace") if stdout is None else "",
         stderr=collected_err.getvalue().decode(errors="replace") if stderr is None else "",
+        signal=getattr(channel, "exit_signal", None),
     )
 
 
@@ -379,22 +421,3 @@ def shell_command(command: Sequence[str] | str) -> str:
             details={"field": "command"},
         )
     return command
-
-
-def ssh_argv(endpoint: Endpoint, keys: SandboxKeys, command: Sequence[str] = ()) -> list[str]:
-    """The OpenSSH command line that logs into ``endpoint`` with the pinned host key only."""
-    return [
-        "ssh",
-        *("-i", str(keys.client_key)),
-        *("-o", "IdentitiesOnly=yes"),
-        *("-o", "IdentityAgent=none"),
-        *("-o", f"UserKnownHostsFile={keys.known_hosts}"),
-        *("-o", "GlobalKnownHostsFile=/dev/null"),
-        *("-o", "StrictHostKeyChecking=yes"),
-        *("-o", f"HostKeyAlias={keys.host_alias}"),
-        *("-o", "PasswordAuthentication=no"),
-        *("-p", str(endpoint.port)),
-        *("-l", endpoint.user),
-        endpoint.host,
-        *(["--", *command] if command else []),
-    ]

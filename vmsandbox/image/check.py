@@ -5,7 +5,8 @@ that cannot boot that way (``/etc/passwd``, a file of zeros, a bare filesystem, 
 download) would otherwise be found out only when a sandbox waits out its whole boot timeout.
 
 Accepted: a healthy qcow2 (``qemu-img check``) with no backing or external data file (either
-would make the import read some other file of the host), or a raw disk whose first
+would make the import read some other file of the host) and with data written to it (a blank
+qcow2, fresh from ``qemu-img create``, boots nothing), or a raw disk whose first
 sectors hold a boot sector or MBR (signature 0x55AA), or a GPT header; in both cases no larger
 than the host's per-sandbox disk cap. Anything else is INVALID_ARGUMENT naming what was found.
 """
@@ -79,6 +80,7 @@ def check_import(source: Path, *, max_disk_gib: int) -> dict[str, Any]:
         )
     if fmt == "qcow2":
         _check_qcow2(source, shown)
+        _check_not_blank(source, shown)
     else:
         found = unbootable_raw(source)
         if found is not None:
@@ -161,6 +163,22 @@ def _check_qcow2(source: Path, shown: str) -> None:
         f"image file {shown} is a damaged qcow2 (truncated or corrupt): {problem}",
         found="corrupt qcow2",
     )
+
+
+def _check_not_blank(source: Path, shown: str) -> None:
+    """Refuse a qcow2 that holds no data at all (every cluster unallocated or zero)."""
+    done = _qemu_img("map", "--output=json", "-f", "qcow2", str(source.absolute()))
+    try:
+        extents = json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        extents = None
+    if extents is not None and not any(extent.get("data") for extent in extents):
+        raise _refuse(
+            source,
+            f"image file {shown} cannot boot: it is a blank qcow2 (nothing was ever written to "
+            "it); import a disk image with an operating system on it",
+            found="blank qcow2",
+        )
 
 
 def _qemu_img(*args: str) -> subprocess.CompletedProcess[str]:

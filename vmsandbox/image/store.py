@@ -30,7 +30,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from vmsandbox.errors import (
 from vmsandbox.image.build import KERNEL_CMDLINE, build_recipe, require_tools
 from vmsandbox.image.check import check_import
 from vmsandbox.image.recipe import load_recipe, recipe_names
+from vmsandbox.image.replacing import kind, refuse_replacing
 from vmsandbox.progress import Progress, silent
 from vmsandbox.tools import run_tool, write_with_tool
 from vmsandbox.validate import validate_image_name
@@ -60,6 +61,8 @@ class BaseImage:
     id: str
     path: Path  # the build folder
     meta: dict[str, Any]
+    # An import that replaced another build (``import_image(replace=True)``): that build.
+    replaced: BaseImage | None = field(default=None, compare=False)
 
     @property
     def disk(self) -> Path:
@@ -93,7 +96,10 @@ class BaseImage:
         return int(self.meta.get("virtual_size", 0))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "id": self.id, "path": str(self.path), **self.meta}
+        data = {"name": self.name, "id": self.id, "path": str(self.path), **self.meta}
+        if self.replaced is not None:
+            data["replaced"] = {"id": self.replaced.id, **self.replaced.meta}
+        return data
 
 
 class ImageStore:
@@ -248,11 +254,17 @@ class ImageStore:
         name: str,
         *,
         max_disk_gib: int = Config.max_disk_gib,
+        replace: bool = False,
         progress: Progress = silent,
     ) -> BaseImage:
         """Copy a qcow2 or raw disk image in as ``name`` (booted by firmware, not by kernel).
 
-        What no sandbox could boot is refused before anything is written (check.py).
+        What no sandbox could boot is refused before anything is written (check.py). An import
+        never replaces what ``name`` is now without ``replace``: ALREADY_EXISTS when ``name``
+        has a current build (a recipe's build, or another file's import) or is a recipe's name
+        (its next build would replace the import). With ``replace``, the build it replaced
+        stays on disk for the sandboxes made from it (``prune`` removes it once unused), and
+        the image returned names it in ``replaced``.
         """
         validate_image_name(name)
         if not source.is_file():
@@ -264,6 +276,11 @@ class ImageStore:
             if self.is_current(name, build_id):
                 progress(f"image {name} already holds this file ({build_id})")
                 return self.get(name)
+            before = self._load(name)
+            if not replace:
+                refuse_replacing(
+                    name, before.id if before else None, before.meta if before else {}, self.root
+                )
 
             def convert(tmp: Path) -> dict[str, Any]:
                 progress(f"converting {source} to qcow2")
@@ -275,10 +292,14 @@ class ImageStore:
                 return {"kind": "import", "source": str(source)}
 
             try:
-                return self._publish(name, build_id, convert)
+                image = self._publish(name, build_id, convert)
             except BaseException:
                 self._drop_if_empty(name)
                 raise
+        if before is not None:
+            progress(f"image {name}: build {before.id} ({kind(before.meta)}) is no longer current")
+            image = BaseImage(image.name, image.id, image.path, image.meta, replaced=before)
+        return image
 
     def _publish(self, name: str, build_id: str, make: Any) -> BaseImage:
         folder = self.root / name

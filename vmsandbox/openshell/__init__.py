@@ -10,11 +10,15 @@ into a SandboxSpec and what the guest receives), ``launch`` (the workload's laun
 guest: identity, launch credentials, units; and per sandbox the credentials its launch waits
 for and its last failure), ``readiness`` (the background waits for a sandbox to become ready,
 and reconciles), ``status`` (a sandbox into its DriverSandbox snapshot, and when each condition
-last changed), ``events`` (libvirt lifecycle events fanned out to watchers), ``service`` (the
-RPCs), ``supervisor`` (the optional openshell-sandbox in every guest), ``tunnel`` (its SSH way
-back to the gateway), ``socket`` (the socket, its modes and the peer check), ``splice`` (the
-two-way copy both relay through), ``hostinfo`` (the HostInfo service beside the driver, for the
-fleet agent), ``metrics`` (the host's Prometheus metrics), ``server`` (serving until SIGTERM).
+last changed), ``snapshots`` (reading them: each guest's state, its launch failure),
+``events`` (libvirt lifecycle events fanned out to watchers), ``watch`` (one watch stream, by
+domain UUID), ``caller`` (who calls: each gateway an identity its RPCs are scoped to),
+``service`` (the RPCs), ``supervisor`` (the optional openshell-sandbox in every guest),
+``tunnel`` (its SSH way back to the gateway), ``socket`` (the socket, its modes and the peer
+check), ``dial`` (a client's way to the socket, only to a server of a trusted uid),
+``splice`` (the two-way copy the relays go through), ``hostinfo`` (the HostInfo service
+beside the driver, for the fleet agent), ``metrics`` (the host's Prometheus metrics),
+``server`` (serving until SIGTERM).
 
 Imports: ``compat``, ``sandbox`` and the packages below it, and the shared core; never ``cli``
 or ``fleet``.

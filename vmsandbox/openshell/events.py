@@ -4,10 +4,12 @@ libvirt pushes events (no polling): the default event loop implementation is reg
 (``virEventRegisterDefaultImpl``) and run by one daemon thread; a connection of its own listens
 for lifecycle events (defined, started, stopped, undefined, ...) and metadata changes (the
 record SandboxManager rewrites when a sandbox becomes ready or fails). Each subscriber gets
-every event of a ``vmsbx-`` domain as a ``DomainEvent`` on its own queue. A lost connection
-(libvirtd restarted) is reopened by the loop thread; subscribers are then told to resend
-everything (an event with ``name`` None), since events in between were missed. The driver
-announces changes libvirt does not see (a workload launched in the guest) with ``changed``.
+every event of a ``vmsbx-`` domain as a ``DomainEvent`` on its own queue, naming the domain's
+UUID (its identity: a name may be another sandbox's by the time the event is read). A lost
+connection (libvirtd restarted) is reopened by the loop thread; subscribers are then told to
+list everything again (an event with ``name`` None), since events in between were missed: a
+stream announces what vanished meanwhile (watch.py). The driver announces changes libvirt does
+not see (a workload launched in the guest) with ``changed``.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ _RECONNECT_SECONDS = 2.0
 
 @dataclass(frozen=True)
 class DomainEvent:
-    """One change: the domain's name without ``vmsbx-`` (None: resend everything), which is
-    the sandbox's name, or a claimed pooled guest's (the service finds the sandbox by its
-    domain, ``SandboxStore.by_domain``), and whether it was undefined (gone)."""
+    """One change: the domain's name without ``vmsbx-`` (None: list everything again), which
+    is the sandbox's name or a claimed pooled guest's, its UUID (the service finds the sandbox
+    by it, ``SandboxStore.by_domain``), and whether it was undefined (gone)."""
 
     name: str | None
     gone: bool = False
+    uuid: str = ""
 
 
 class EventSource(Protocol):
@@ -49,7 +52,7 @@ class EventSource(Protocol):
 
     def unsubscribe(self, events: queue.Queue[DomainEvent]) -> None: ...
 
-    def changed(self, name: str) -> None: ...
+    def changed(self, name: str, uuid: str) -> None: ...
 
 
 def _ensure_loop() -> None:
@@ -93,9 +96,10 @@ class DomainEvents:
         with self._lock:
             self._subscribers.discard(events)
 
-    def changed(self, name: str) -> None:
-        """Tell every subscriber that the sandbox of domain ``vmsbx-NAME`` changed."""
-        self._publish(DomainEvent(name))
+    def changed(self, name: str, uuid: str) -> None:
+        """Tell every subscriber that the sandbox of domain ``vmsbx-NAME`` (UUID ``uuid``)
+        changed."""
+        self._publish(DomainEvent(name, uuid=uuid))
 
     def close(self) -> None:
         self._stop.set()
@@ -139,11 +143,13 @@ class DomainEvents:
         name = dom.name()
         if name.startswith(DOMAIN_PREFIX):
             gone = event == libvirt.VIR_DOMAIN_EVENT_UNDEFINED
-            self._publish(DomainEvent(name.removeprefix(DOMAIN_PREFIX), gone=gone))
+            uuid = dom.UUIDString()
+            self._publish(DomainEvent(name.removeprefix(DOMAIN_PREFIX), gone=gone, uuid=uuid))
 
     def _on_metadata(
         self, _conn: object, dom: libvirt.virDomain, _kind: int, _ns: str, _opaque: object
     ) -> None:
         name = dom.name()
         if name.startswith(DOMAIN_PREFIX):
-            self._publish(DomainEvent(name.removeprefix(DOMAIN_PREFIX)))
+            uuid = dom.UUIDString()
+            self._publish(DomainEvent(name.removeprefix(DOMAIN_PREFIX), uuid=uuid))

@@ -16,6 +16,11 @@ host's devices at the moment of the call:
 - ``pool``: each ``[pool]`` shape with its count and how many guests are ready;
 - ``sandboxes``: this state directory's sandboxes (not pooled guests) with state, labels and
   GPUs, so a fleet finds its own again after a restart and sees capacity taken outside it.
+
+A gateway is an identity (openshell/caller.py): the document names only the caller's own
+sandboxes (and, to a delegate that names no gateway, those of every gateway it speaks for).
+Every other sandbox is still counted, with its size and GPUs, but without name, domain, image
+or labels, and a GPU it holds shows ``(another owner's sandbox)`` as its holder.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import grpc
 from vmsandbox.config import Config
 from vmsandbox.errors import VmSandboxError
 from vmsandbox.gpu.custody.store import CustodyStore
+from vmsandbox.openshell.caller import Caller, Callers
 from vmsandbox.openshell.proto import host_info_pb2 as pb
 from vmsandbox.openshell.proto import host_info_pb2_grpc as pb_grpc
+from vmsandbox.openshell.socket import Peers
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.pool.shapes import is_pool_guest
 
@@ -40,8 +47,11 @@ SANITIZES_KEPT = 200  # the last sanitizes the document carries
 SCHEMA = 1  # the ``schema`` key of the document; raised when a key changes meaning
 
 
-def describe(manager: SandboxManager) -> dict[str, Any]:
-    """The host document (see the module docstring)."""
+HIDDEN = "(another owner's sandbox)"
+
+
+def describe(manager: SandboxManager, caller: Caller) -> dict[str, Any]:
+    """The host document as ``caller`` may see it (see the module docstring)."""
     from vmsandbox.gpu import capacity
     from vmsandbox.gpu.fabric import state
 
@@ -50,21 +60,24 @@ def describe(manager: SandboxManager) -> dict[str, Any]:
     fabric = state.read(config, inventory)
     measured = capacity.measure(inventory, fabric, config.max_gpus)
     store = manager.store
-    sandboxes = []
-    for record, _state in store.all():
-        if is_pool_guest(record) or not store.local(record):
+    sandboxes, hidden = [], set()
+    for found in store.found():
+        if is_pool_guest(found.record) or not store.local(found.record):
             continue
-        shown = store.view(record, _state)
+        shown = store.view(found.record, found.state, found.uuid)
+        seen = caller.sees(shown)
+        if not seen:
+            hidden.add(shown.domain)
         sandboxes.append(
             {
-                "name": shown.name,
-                "domain": shown.domain,
+                "name": shown.name if seen else "",
+                "domain": shown.domain if seen else "",
                 "state": shown.state,
-                "image": shown.image,
+                "image": shown.image if seen else "",
                 "cpus": shown.cpus,
                 "memory_mib": shown.memory_mib,
                 "disk_gib": shown.disk_gib,
-                "labels": dict(shown.labels),
+                "labels": dict(shown.labels) if seen else {},
                 "gpus": [gpu["bdf"] for gpu in shown.gpus],
             }
         )
@@ -79,7 +92,7 @@ def describe(manager: SandboxManager) -> dict[str, Any]:
                 "memory_mib": gpu.memory_mib,
                 "numa_node": gpu.numa_node,
                 "bindable": gpu.bindable,
-                "holder": gpu.in_use_by,
+                "holder": HIDDEN if gpu.in_use_by in hidden else gpu.in_use_by,
                 "custody": gpu.custody,
                 "custody_reason": gpu.custody_reason,
             }
@@ -108,7 +121,7 @@ def describe(manager: SandboxManager) -> dict[str, Any]:
             {key: shape[key] for key in (*_SHAPE_KEYS, "count", "ready")}
             for shape in manager.pool.show()
         ],
-        "sandboxes": sorted(sandboxes, key=lambda s: s["name"]),
+        "sandboxes": sorted(sandboxes, key=lambda s: (s["name"], s["state"])),
     }
 
 
@@ -123,13 +136,21 @@ def _keyed(counts: dict[int, int] | Any) -> dict[str, int]:
 class HostInfo(pb_grpc.HostInfoServicer):
     """The HostInfo service of one host; ``manager`` makes the SandboxManager of each call."""
 
-    def __init__(self, config: Config, manager: Callable[[], SandboxManager] | None = None):
+    def __init__(
+        self,
+        config: Config,
+        manager: Callable[[], SandboxManager] | None = None,
+        *,
+        peers: Peers,
+    ) -> None:
         self._new_manager = manager or (lambda: SandboxManager(config, reconcile=False))
+        self.callers = Callers(peers.uid_of, config.openshell_delegate_uids)
 
     def GetHostInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            caller = self.callers.identify(context)
             with self._new_manager() as manager:
-                document = describe(manager)
+                document = describe(manager, caller)
         except VmSandboxError as exc:
             log.info("GetHostInfo: %s: %s", exc.code, exc.message)
             context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL), exc.message)

@@ -277,14 +277,15 @@ def key_values(text: str) -> dict[str, str]:
 
 
 class Launches:
-    """Per domain: the credentials not yet in the guest and the last launch failure.
+    """Per sandbox, by its domain UUID (a later sandbox of the same name is another one): the
+    credentials not yet in the guest and the last launch failure.
 
-    ``manager`` makes a SandboxManager; ``changed(name)`` tells the watchers that a sandbox's
-    snapshot changed (``events.EventSource.changed``).
+    ``manager`` makes a SandboxManager; ``changed(name, uuid)`` tells the watchers that a
+    sandbox's snapshot changed (``events.EventSource.changed``).
     """
 
     def __init__(
-        self, manager: Callable[[], SandboxManager], changed: Callable[[str], None]
+        self, manager: Callable[[], SandboxManager], changed: Callable[[str, str], None]
     ) -> None:
         self._manager = manager
         self._changed = changed
@@ -292,39 +293,39 @@ class Launches:
         self._pending: dict[str, LaunchCredentials] = {}
         self._failures: dict[str, str] = {}
 
-    def hold(self, domain: str, credentials: LaunchCredentials | None) -> None:
-        """Keep ``credentials`` (when given) for the next launch of ``domain``."""
+    def hold(self, uuid: str, credentials: LaunchCredentials | None) -> None:
+        """Keep ``credentials`` (when given) for the next launch of sandbox ``uuid``."""
         with self._lock:
             if credentials is not None:
-                self._pending[domain] = credentials
+                self._pending[uuid] = credentials
 
-    def restart(self, domain: str, credentials: LaunchCredentials | None) -> None:
-        """A new start of ``domain``: its credentials held (when given), its last failure gone."""
+    def restart(self, uuid: str, credentials: LaunchCredentials | None) -> None:
+        """A new start of ``uuid``: its credentials held (when given), its last failure gone."""
         with self._lock:
             if credentials is not None:
-                self._pending[domain] = credentials
-            self._failures.pop(domain, None)
+                self._pending[uuid] = credentials
+            self._failures.pop(uuid, None)
 
-    def drop(self, domain: str) -> None:
-        """Forget the credentials held for ``domain`` (its start failed)."""
+    def drop(self, uuid: str) -> None:
+        """Forget the credentials held for ``uuid`` (its start failed)."""
         with self._lock:
-            self._pending.pop(domain, None)
+            self._pending.pop(uuid, None)
 
-    def forget(self, domain: str) -> None:
-        """Forget everything about ``domain`` (it was deleted)."""
+    def forget(self, uuid: str) -> None:
+        """Forget everything about ``uuid`` (it was deleted)."""
         with self._lock:
-            self._pending.pop(domain, None)
-            self._failures.pop(domain, None)
+            self._pending.pop(uuid, None)
+            self._failures.pop(uuid, None)
 
-    def failure(self, domain: str) -> str | None:
-        """Why the last launch of ``domain`` failed ("CODE: message"); None when it did not."""
+    def failure(self, uuid: str) -> str | None:
+        """Why the last launch of ``uuid`` failed ("CODE: message"); None when it did not."""
         with self._lock:
-            return self._failures.get(domain)
+            return self._failures.get(uuid)
 
-    def launch(self, name: str, uuid: str | None = None) -> None:
-        """Launch the workload of a ready sandbox of ours (``launch``; with ``uuid``, only the
-        sandbox of that identity) with the credentials waiting for it; a failure is kept for
-        its snapshots, and raised."""
+    def launch(self, name: str, uuid: str) -> None:
+        """Launch the workload of the ready sandbox of ours ``name`` with domain UUID ``uuid``
+        (``launch``) with the credentials waiting for it; a failure is kept for its
+        snapshots, and raised."""
         with self._manager() as manager:
             sandbox = manager.get(name, uuid=uuid)
             workload = Workload.of(sandbox.labels)
@@ -332,7 +333,7 @@ class Launches:
                 return
             endpoint, keys = sandbox.ssh, manager.keys_of(sandbox)
         with self._lock:
-            credentials = self._pending.pop(sandbox.domain, None)
+            credentials = self._pending.pop(uuid, None)
 
         def run(command: str, stdin: bytes | None) -> ExecResult:
             return ssh.run(endpoint, keys, command, stdin=stdin, timeout=_LAUNCH_TIMEOUT)
@@ -341,10 +342,10 @@ class Launches:
             resolved = launch(run, workload, credentials)
         except VmSandboxError as exc:
             with self._lock:
-                self._failures[sandbox.domain] = f"{exc.code}: {exc.message}"
-            self._changed(sandbox.domain.removeprefix(DOMAIN_PREFIX))
+                self._failures[uuid] = f"{exc.code}: {exc.message}"
+            self._changed(sandbox.domain.removeprefix(DOMAIN_PREFIX), uuid)
             raise
         with self._lock:
-            self._failures.pop(sandbox.domain, None)
+            self._failures.pop(uuid, None)
         log.info("sandbox %s launched as uid %d gid %d", name, resolved.uid, resolved.gid)
-        self._changed(sandbox.domain.removeprefix(DOMAIN_PREFIX))
+        self._changed(sandbox.domain.removeprefix(DOMAIN_PREFIX), uuid)

@@ -44,12 +44,11 @@ class Readiness:
             try:
                 if wait:
                     with self._manager() as manager:
-                        manager.store.require(name, uuid)  # still that sandbox
-                        manager.wait(name)
+                        manager.wait(name, uuid=uuid)  # that sandbox, by its UUID, throughout
                     log.info("sandbox %s is ready", name)
                 self.launches.launch(name, uuid)
                 if self.tunnels is not None:
-                    self.tunnels.ensure(name)
+                    self.tunnels.ensure(name, uuid)
             except VmSandboxError as exc:
                 log.warning("sandbox %s did not become ready: %s: %s", name, exc.code, exc.message)
             except Exception:  # a thread that dies silently would leave it "starting"

@@ -2,10 +2,13 @@
 what its guest receives and how its workload is launched.
 
 - Name: ``DriverSandbox.name`` when it is a valid vmsandbox name, else ``os-`` and 16 hex
-  digits of the SHA-256 of the gateway's sandbox id. The gateway's id, namespace and workspace
-  are kept as labels (ID_LABEL, NAMESPACE_LABEL, WORKSPACE_LABEL) in the domain metadata, with
-  a fresh incarnation (``identity.INCARNATION_LABEL``), the image's id (IMAGE_ID_LABEL) and the
-  launch labels (``launch.Workload``).
+  digits of the SHA-256 of the calling gateway's identity and its sandbox id. The gateway's
+  id, namespace and workspace are kept as labels (ID_LABEL, NAMESPACE_LABEL, WORKSPACE_LABEL)
+  in the domain metadata, with a fresh incarnation (``identity.INCARNATION_LABEL``), the
+  image's id (IMAGE_ID_LABEL), the launch labels (``launch.Workload``) and the digest of the
+  request (REQUEST_LABEL, ``request_digest``: secrets left out), by which a create sent again
+  is told from a different one under the same id (``same_request``); the calling gateway's
+  identity is the record's ``owner`` (openshell/caller.py).
 - Image: ``template.image`` names a vmsandbox image; empty means DEFAULT_IMAGE. Anything else
   (an OCI reference, say) is INVALID_ARGUMENT naming the images this host has.
 - CPU and memory: ``template.resources`` Kubernetes quantities, the limit (else the request)
@@ -76,6 +79,7 @@ from vmsandbox.openshell.supervisor import SUPERVISOR_UNIT, Supervisor
 from vmsandbox.sandbox import credential
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.pool.shapes import fits
+from vmsandbox.sandbox.record import SandboxRecord
 from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.validate import validate_name
 
@@ -84,6 +88,7 @@ ID_LABEL = "openshell.sandbox-id"
 NAMESPACE_LABEL = "openshell.namespace"
 WORKSPACE_LABEL = "openshell.workspace"
 IMAGE_ID_LABEL = "openshell.image-id"
+REQUEST_LABEL = "openshell.request-digest"
 TOKEN_PATH = "/etc/openshell/sandbox-token"
 _SECRET_ENV = ("OPENSHELL_SANDBOX_TOKEN", "OPENSHELL_SANDBOX_TOKEN_FILE")
 
@@ -97,8 +102,8 @@ class Translated:
     credentials: LaunchCredentials | None = None
 
 
-def sandbox_name(name: str, sandbox_id: str) -> str:
-    """The vmsandbox name of a gateway sandbox (see the module docstring)."""
+def sandbox_name(name: str, sandbox_id: str, owner: str = "") -> str:
+    """The vmsandbox name of gateway ``owner``'s sandbox (see the module docstring)."""
     with contextlib.suppress(InvalidArgument):  # not a vmsandbox name: derive one below
         return validate_name(name)
     if not sandbox_id and not name:
@@ -106,7 +111,29 @@ def sandbox_name(name: str, sandbox_id: str) -> str:
             "the request names no sandbox: give name or sandbox_id",
             details={"field": "name"},
         )
-    return "os-" + hashlib.sha256((sandbox_id or name).encode()).hexdigest()[:16]
+    key = (f"{owner}\0" if owner else "") + (sandbox_id or name)
+    return "os-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def request_digest(sandbox: pb.DriverSandbox) -> str:
+    """A digest of ``sandbox`` as the gateway sent it, its secrets (the sandbox token, the
+    launch credentials) left out: equal for a create sent again."""
+    plain = pb.DriverSandbox()
+    plain.CopyFrom(sandbox)
+    plain.spec.ClearField("sandbox_token")
+    plain.spec.ClearField("launch_authentication")
+    return "sha256:" + hashlib.sha256(plain.SerializeToString(deterministic=True)).hexdigest()
+
+
+def same_request(record: SandboxRecord, sandbox: pb.DriverSandbox) -> bool:
+    """Whether ``sandbox`` asks again for the sandbox of ``record``: the same request, with
+    the same sandbox token (matched against the record's digest of it) or none in both."""
+    if record.labels.get(REQUEST_LABEL) != request_digest(sandbox):
+        return False
+    token = sandbox.spec.sandbox_token
+    if not token or record.credential is None:
+        return not token and record.credential is None
+    return credential.matches(token, record.credential)
 
 
 def translate(
@@ -116,9 +143,11 @@ def translate(
     *,
     admission: AdmissionPolicy | None = None,
     default_user: str = "sandbox",
+    owner: str | None = None,
 ) -> Translated:
-    """The name, spec and launch of ``sandbox``; ``images`` maps the names of the images this
-    host can boot to their ids."""
+    """The name, spec and launch of ``sandbox`` asked for by gateway ``owner``
+    (openshell/caller.py); ``images`` maps the names of the images this host can boot to
+    their ids."""
     if not sandbox.id:
         raise InvalidArgument(
             "sandbox.id is empty: the gateway always sets it", details={"field": "id"}
@@ -128,7 +157,7 @@ def translate(
     (admission or AdmissionPolicy()).check_driver_config(
         template.driver_config if template.HasField("driver_config") else None
     )
-    name = sandbox_name(sandbox.name, sandbox.id)
+    name = sandbox_name(sandbox.name, sandbox.id, owner or "")
     image = template.image or DEFAULT_IMAGE
     if image not in images:
         raise InvalidArgument(
@@ -170,6 +199,7 @@ def translate(
             WORKSPACE_LABEL: sandbox.workspace,
             INCARNATION_LABEL: new_incarnation(),
             IMAGE_ID_LABEL: images[image],
+            REQUEST_LABEL: request_digest(sandbox),
         }
     )
     return Translated(
@@ -183,6 +213,7 @@ def translate(
             labels=labels,
             guest=guest,
             credential=credential.digest(spec.sandbox_token) if spec.sandbox_token else None,
+            owner=owner,
         ),
         credentials=credentials,
     )

@@ -1,12 +1,14 @@
 """``vmsandbox serve --openshell-socket PATH``: the compute driver in the foreground until
-SIGTERM or SIGINT, logging to stderr. The socket also serves ``vmsandbox.host.v1.HostInfo``
+SIGTERM or SIGINT, logging to stderr; it also reaps the sandboxes whose lifetime has ended
+(``create --ttl``), every minute. The socket also serves ``vmsandbox.host.v1.HostInfo``
 (hostinfo.py), which a fleet agent on this host reads. The GPU health monitor
 (vmsandbox/sandbox/health.py) runs beside it, in a thread.
 
 gRPC listens on a socket in a private 0700 folder; the gateway's socket at PATH is served by a
-``PeerGate`` that checks each peer's uid and relays to it. A gateway that disconnects and
-reconnects needs nothing: every connection is accepted anew and the service keeps no
-per-connection state.
+``PeerGate`` that checks each peer's uid and relays to it, telling the services which uid each
+connection is (``socket.Peers``: every RPC is its caller's, openshell/caller.py). A gateway that
+disconnects and reconnects needs nothing: every connection is accepted anew and the service
+keeps no per-connection state.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from vmsandbox.openshell.hostinfo import HostInfo
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
 from vmsandbox.openshell.proto import host_info_pb2_grpc as info_grpc
 from vmsandbox.openshell.service import ComputeDriver
-from vmsandbox.openshell.socket import PeerGate
+from vmsandbox.openshell.socket import PeerGate, Peers, allowed_uids
+from vmsandbox.sandbox.lifetime import Reaped, Reaper
 from vmsandbox.sandbox.manager import SandboxManager
 
 log = logging.getLogger("vmsandbox.openshell")
@@ -71,8 +74,9 @@ def serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     events = DomainEvents(config.uri)
+    peers = Peers()
     try:
-        driver = ComputeDriver(config, events)  # a supervisor that cannot work stops us here
+        driver = ComputeDriver(config, events, peers=peers)  # a bad supervisor stops us here
     except VmSandboxError:
         events.close()
         raise
@@ -88,23 +92,26 @@ def serve(
         interceptors=[metrics.interceptor()] if metrics else [],
     )
     pb_grpc.add_ComputeDriverServicer_to_server(driver, server)
-    info_grpc.add_HostInfoServicer_to_server(HostInfo(config), server)
+    info_grpc.add_HostInfoServicer_to_server(HostInfo(config, peers=peers), server)
     server.add_insecure_port(f"unix:{backend}")
     gate: PeerGate | None = None
     health: threading.Thread | None = None
+    reaper = Reaper(lambda: _reap(config))  # sandboxes whose lifetime ended (create --ttl)
     try:
         if metrics is not None and metrics_address:
             metrics.serve(metrics_address)
         server.start()
-        gate = PeerGate(Path(socket_path), backend, frozenset(config.openshell_allowed_uids))
+        gate = PeerGate(Path(socket_path), backend, allowed_uids(config), peers)
         gate.start()
         driver.resume()
         health = _health_monitor(config, stop)
+        reaper.start()
         log.info("serving the OpenShell compute driver on %s", socket_path)
         while not stop.wait(_SIGNAL_POLL):
             pass
         log.info("stopping")
     finally:  # a failure to start propagates: the CLI prints its code and message
+        reaper.close()
         if gate is not None:
             gate.close()
         server.stop(_STOP_GRACE).wait()
@@ -116,3 +123,8 @@ def serve(
         backend.unlink(missing_ok=True)
         private.rmdir()
     return 0
+
+
+def _reap(config: Config) -> Reaped:
+    with SandboxManager(config, reconcile=False) as manager:
+        return manager.reap()

@@ -7,7 +7,15 @@ socket, reads the peer's credentials (SO_PEERCRED), closes connections from uids
 allowed, and relays the others byte for byte to gRPC's own socket, which sits in a 0700 folder
 of its own that only this user can reach.
 
-Allowed: the server's own uid, and those listed in the config (``openshell_allowed_uids``).
+The service must also know *which* allowed uid calls (openshell/caller.py: each is a gateway
+of its own). The gate's end of each relay is bound, before it connects to gRPC's socket, to a
+fresh name in the abstract namespace, which gRPC reports as that connection's peer
+(``context.peer()``, ``unix-abstract:NAME``); ``Peers`` maps each such name to the uid the
+gate saw, for as long as the relay lasts. Only the gate's own connections are in it: any other
+peer of gRPC's socket (which only this uid can reach) is no caller.
+
+Allowed: the server's own uid, and those listed in the config (``openshell_allowed_uids``, and
+the delegates of ``openshell_delegate_uids``).
 Modes: socket 0600 when only the own uid is allowed, 0666 with other uids allowed (so they can
 reach it at all, and the peer check decides); a folder the server makes for it is 0700, or
 0711 with other uids allowed. A folder that exists already (/run, /tmp) keeps its mode.
@@ -18,17 +26,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import stat
 import struct
 import threading
 from pathlib import Path
 
+from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, InvalidArgument
 from vmsandbox.openshell.splice import splice
 
 log = logging.getLogger(__name__)
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, one for the NUL
+
+
+def allowed_uids(config: Config) -> frozenset[int]:
+    """Who may use the driver's socket besides the server's own uid: the gateways and the
+    delegates of the config."""
+    return frozenset(config.openshell_allowed_uids) | frozenset(config.openshell_delegate_uids)
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -71,12 +87,42 @@ def _listening(path: Path) -> bool:
     return True
 
 
-class PeerGate:
-    """Accept on ``public``, check each peer's uid, relay allowed ones to ``backend``."""
+class Peers:
+    """The uid behind each relayed connection, by the peer address gRPC reports for it."""
 
-    def __init__(self, public: Path, backend: Path, allowed_uids: frozenset[int]) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._uids: dict[str, int] = {}
+
+    def uid_of(self, peer: str) -> int | None:
+        """The uid of the relayed connection whose gRPC peer address is ``peer``; None for a
+        connection the gate did not make."""
+        with self._lock:
+            return self._uids.get(peer)
+
+    def add(self, peer: str, uid: int) -> None:
+        with self._lock:
+            self._uids[peer] = uid
+
+    def remove(self, peer: str) -> None:
+        with self._lock:
+            self._uids.pop(peer, None)
+
+
+class PeerGate:
+    """Accept on ``public``, check each peer's uid, relay allowed ones to ``backend``; with
+    ``peers``, tell the service which uid each relayed connection is (module docstring)."""
+
+    def __init__(
+        self,
+        public: Path,
+        backend: Path,
+        allowed_uids: frozenset[int],
+        peers: Peers | None = None,
+    ) -> None:
         self.public = public
         self.backend = backend
+        self.peers = peers
         self.allowed = allowed_uids | {os.geteuid()}
         shared = self.allowed != {os.geteuid()}
         prepare_socket_path(public, shared=shared)
@@ -113,15 +159,26 @@ class PeerGate:
                 )
                 conn.close()
                 continue
-            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._relay, args=(conn, uid), daemon=True).start()
 
-    def _relay(self, client: socket.socket) -> None:
+    def _relay(self, client: socket.socket, uid: int) -> None:
         backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"vmsandbox-peer-{os.getpid()}-{secrets.token_hex(8)}"
+        peer = f"unix-abstract:{name}"
         try:
+            if self.peers is not None:
+                backend.bind("\0" + name)
+                self.peers.add(peer, uid)
             backend.connect(str(self.backend))
         except OSError as exc:
             log.error("cannot reach the gRPC server at %s: %s", self.backend, exc)
             client.close()
             backend.close()
+            if self.peers is not None:
+                self.peers.remove(peer)
             return
-        splice(client, backend)
+        try:
+            splice(client, backend)
+        finally:
+            if self.peers is not None:
+                self.peers.remove(peer)

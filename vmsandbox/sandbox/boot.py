@@ -5,6 +5,10 @@ A guest that cannot boot (firmware finds no bootable disk, the kernel panics, th
 no root, QEMU exits) fails with FAILED_PRECONDITION as soon as that shows, with the console lines:
 waiting longer cannot help, the image or the host must change. DEADLINE_EXCEEDED is kept for a
 guest still running at the timeout, whose boot may just be slow.
+
+The watch follows the domain by its UUID: a sandbox removed while it boots is NOT_FOUND, and
+the console file of its name (which a later sandbox of that name may write by then) counts
+only while that domain is still there.
 """
 
 from __future__ import annotations
@@ -14,7 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vmsandbox.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from vmsandbox.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from vmsandbox.guest.keys import SandboxKeys
 from vmsandbox.guest.ssh import Endpoint, wait_ready
 from vmsandbox.progress import Progress
@@ -33,6 +43,12 @@ NO_SEED_READER = (
     "neither cloud-init nor vmsandbox's first-boot unit (what reads the NoCloud seed that "
     "installs the SSH keys) was seen on the guest console: the image may lack both or have "
     "them disabled"
+)
+
+
+STILL_IN_FIRMWARE = (
+    "the guest was still in its firmware or bootloader: its console shows nothing from a "
+    "kernel yet (TCG on a busy host starts slowly: a longer --timeout may do)"
 )
 
 
@@ -70,8 +86,9 @@ def boot_timeout(base: float, memory_mib: int, gpus: int) -> float:
 
 @dataclass
 class BootWatch:
-    """Watches one booting guest: raises FAILED_PRECONDITION when its console shows a line after
-    which it never boots, or when its domain is no longer running."""
+    """Watches one booting guest (the domain ``uuid``; "" for the domain of that name):
+    raises FAILED_PRECONDITION when its console shows a line after which it never boots, or
+    when its domain is no longer running; NOT_FOUND when its domain is gone."""
 
     hypervisor: Hypervisor
     name: str
@@ -79,6 +96,7 @@ class BootWatch:
     files: SandboxFiles
     # The guest's console says when sshd has started (images with vmsandbox's first boot).
     reports_sshd: bool = False
+    uuid: str = ""
 
     def __post_init__(self) -> None:
         self.console = console.ConsoleWatch(self.files.console_log)
@@ -93,8 +111,27 @@ class BootWatch:
         return self.console.sshd_reachable or grace_over
 
     def check(self) -> bool:
-        """True while the guest may still come up; raises once it cannot."""
+        """True while the guest may still come up; raises once it cannot. The console is read
+        first and believed only once the domain is seen still there after the read."""
         fatal = self.console.poll()
+        uuid = self.uuid or None
+        try:
+            running: bool | None = self.hypervisor.running(self.domain, uuid=uuid)
+            if not running and self.hypervisor.metadata(self.domain, uuid=uuid) is None:
+                raise NotFound(
+                    f"sandbox {self.name!r} was removed while this call waited for it to boot",
+                    details={"name": self.name, "uuid": self.uuid},
+                )
+        except Unavailable:
+            running = None  # libvirtd restarting: cannot tell, so the wait goes on (fail closed)
+        if fatal is None and self.console.restarts >= console.RESTARTS_FATAL:
+            tail = console.tail(self.files.console_log, CONSOLE_LINES)
+            raise FailedPrecondition(
+                f"sandbox {self.name!r} cannot boot: it started over {self.console.restarts} "
+                "times before SSH came up (a reset loop: its kernel may not fit in its memory)"
+                + _console_section(tail),
+                details={"restarts": self.console.restarts, "console_tail": tail},
+            )
         if fatal is not None:
             tail = console.tail(self.files.console_log, CONSOLE_LINES)
             raise FailedPrecondition(
@@ -102,12 +139,8 @@ class BootWatch:
                 + _console_section(tail),
                 details={"console_line": fatal, "console_tail": tail},
             )
-        try:
-            running = self.hypervisor.running(self.domain)
-        except Unavailable:
-            return True  # libvirtd restarting: cannot tell, so the wait goes on (fail closed)
-        if not running:
-            reason = self.hypervisor.stop_reason(self.domain)
+        if running is False:
+            reason = self.hypervisor.stop_reason(self.domain, uuid=uuid)
             qemu = console.tail(self.files.qemu_log, 5) if self.files.qemu_log else ""
             tail = console.tail(self.files.console_log, CONSOLE_LINES)
             raise FailedPrecondition(
@@ -123,7 +156,12 @@ class BootWatch:
         self.console.poll()
         tail = console.tail(self.files.console_log, CONSOLE_LINES)
         seen = self.console.seed_reader_seen
-        note = "" if seen else f"; {NO_SEED_READER}"
+        if seen:
+            note = ""
+        elif console.kernel_started(self.files.console_log):
+            note = f"; {NO_SEED_READER}"
+        else:  # the seed's turn never came: say how far the boot got, not what it lacks
+            note = f"; {STILL_IN_FIRMWARE}"
         return DeadlineExceeded(
             f"sandbox {self.name!r}: {exc.message}{note}" + _console_section(tail),
             details={"console_tail": tail, "seed_reader_seen": seen},
@@ -135,13 +173,20 @@ def _console_section(tail: str) -> str:
 
 
 def lease_endpoint(
-    hypervisor: Hypervisor, domain: str, user: str, *, timeout: float, check: Callable[[], bool]
+    hypervisor: Hypervisor,
+    domain: str,
+    user: str,
+    *,
+    timeout: float,
+    check: Callable[[], bool],
+    uuid: str = "",
 ) -> Endpoint:
-    """The guest's sshd at its DHCP address (libvirt-network mode), once it has a lease."""
+    """The guest's sshd at its DHCP address (libvirt-network mode), once it has a lease (of
+    the domain ``uuid``, when given)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         check()
-        address = hypervisor.lease_address(domain)
+        address = hypervisor.lease_address(domain, uuid=uuid or None)
         if address is not None:
             return Endpoint(address, 22, user)
         time.sleep(LEASE_POLL_S)
@@ -155,7 +200,12 @@ def endpoint(watch: BootWatch, ssh: SshRecord, *, timeout: float) -> Endpoint:
         return Endpoint(ssh.host, ssh.port, ssh.user)
     try:
         return lease_endpoint(
-            watch.hypervisor, watch.domain, ssh.user, timeout=timeout, check=watch.check
+            watch.hypervisor,
+            watch.domain,
+            ssh.user,
+            timeout=timeout,
+            check=watch.check,
+            uuid=watch.uuid,
         )
     except DeadlineExceeded as exc:
         raise watch.timed_out(exc) from exc

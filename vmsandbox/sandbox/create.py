@@ -21,14 +21,14 @@ steps and undos.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vmsandbox.errors import FailedPrecondition, ResourceExhausted
+from vmsandbox.errors import FailedPrecondition
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.guest import control, ssh
 from vmsandbox.guest.keys import KeyPair, SandboxKeys
@@ -37,7 +37,7 @@ from vmsandbox.guest.ssh import Endpoint
 from vmsandbox.image.store import BaseImage, make_overlay
 from vmsandbox.progress import Progress
 from vmsandbox.sandbox import boot, plan, reserve
-from vmsandbox.sandbox.holds import Hold, Holds, settled
+from vmsandbox.sandbox.holds import Hold, Holds, settled, unwritable
 from vmsandbox.sandbox.record import (
     STATE_DEFINED,
     STATE_READY,
@@ -252,7 +252,7 @@ def _release(r: Remains) -> None:
 
 
 def _keys(c: Creation) -> None:
-    with _host_files(f"writing the keys of sandbox {c.name!r} to {c.files.keys_dir}"):
+    with _host_files(f"writing the keys of sandbox {c.name!r}", c.files.keys_dir):
         _keys, client, host = SandboxKeys.create(c.files.keys_dir, c.domain)
     c.pairs = (client, host)
 
@@ -264,7 +264,7 @@ def _overlay(c: Creation) -> None:
 
 def _seed(c: Creation) -> None:
     assert c.pairs is not None  # made by the keys step
-    with _host_files(f"writing the seed of sandbox {c.name!r} to {c.files.seed}"):
+    with _host_files(f"writing the seed of sandbox {c.name!r}", c.files.seed):
         write_seed(
             c.files.seed,
             instance_id=str(uuid.uuid4()),
@@ -322,7 +322,7 @@ def _start(c: Creation) -> None:
     netguard.before_start(c.config)
     for attempt in range(1, PORT_TRIES + 1):
         try:
-            c.hypervisor.start(c.domain)
+            c.hypervisor.start(c.domain, uuid=c.uuid)
             control.restrict(c.files.control)
             return
         except FailedPrecondition as exc:
@@ -350,7 +350,7 @@ def _wait(c: Creation) -> None:
         return
     assert c.record is not None  # made by the define step
     timeout = c.timeout or boot.boot_timeout(c.config.boot_timeout, c.spec.memory_mib, len(c.gpus))
-    watch = boot.BootWatch(c.hypervisor, c.name, c.domain, c.files, c.image.reports_sshd)
+    watch = boot.BootWatch(c.hypervisor, c.name, c.domain, c.files, c.image.reports_sshd, c.uuid)
     ssh_record = c.record.ssh
     c.endpoint = boot.endpoint(watch, ssh_record, timeout=timeout)
     if ssh_record.port is None:  # the DHCP address is kept in the record: get/exec/ssh use it
@@ -359,6 +359,7 @@ def _wait(c: Creation) -> None:
     c.boot_seconds = boot.wait_for_ssh(
         watch, c.endpoint, keys, timeout=timeout, progress=c.progress
     )
+    c.record = replace(c.record, boot_seconds=c.boot_seconds)
 
 
 def _verify(c: Creation) -> None:
@@ -380,7 +381,7 @@ def _mark(c: Creation) -> None:
     assert c.record is not None  # made by the define step
     hold = c.own()
     c.state = STATE_READY if c.wait and c.start else STATE_STARTED if c.start else STATE_DEFINED
-    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state, uuid=c.uuid)
     c.holds.put(settled(hold))
 
 
@@ -437,14 +438,10 @@ STARTING = frozenset({"start", "wait", "verify"})
 
 
 @contextlib.contextmanager
-def _host_files(doing: str) -> Iterator[None]:
-    """Turn a failed write on the host into FAILED_PRECONDITION (RESOURCE_EXHAUSTED when the
-    disk is full), naming what was being written."""
+def _host_files(doing: str, path: Path) -> Iterator[None]:
+    """A failed write on the host as FAILED_PRECONDITION (RESOURCE_EXHAUSTED when the disk is
+    full) naming what was being written and where (holds.unwritable)."""
     try:
         yield
     except OSError as exc:
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        raise (ResourceExhausted if full else FailedPrecondition)(
-            f"{doing}: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
-            details={"errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))},
-        ) from exc
+        raise unwritable(doing, exc, path) from exc

@@ -37,9 +37,13 @@ class Sandbox:
     # health monitor took one of its GPUs out (health.py).
     failure: dict[str, str] | None = None
     generation: str | None = None  # the OpenShell gateway's last start generation (record.py)
+    owner: str | None = None  # who asked for it through the OpenShell driver (record.py)
+    expires_at: str | None = None  # when its lifetime ends (UTC); None: never (lifetime.py)
     # The domain's UUID: the sandbox's identity (its name is a label that can be used again).
     uuid: str = ""
     local: bool = True  # made with this manager's state directory
+    # Its serial console's log (firmware, kernel, first boot): a claimed guest's keeps its name.
+    console_log: Path | None = None
 
     @classmethod
     def of(cls, record: SandboxRecord, state: str, files: SandboxFiles) -> Sandbox:
@@ -64,6 +68,10 @@ class Sandbox:
             verification=record.verification,
             failure=record.failure,
             generation=record.generation,
+            owner=record.owner,
+            boot_seconds=record.boot_seconds,
+            console_log=files.console_log,
+            expires_at=record.expires_at,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,4 +101,16 @@ class Sandbox:
             "stage_seconds": self.stage_seconds,
             "failure": self.failure,
             "generation": self.generation,
+            "console_log": str(self.console_log) if self.console_log else None,
+            "expires_at": self.expires_at,
+            "expires_in_seconds": self.expires_in_seconds,
         }
+
+    @property
+    def expires_in_seconds(self) -> int | None:
+        """Whole seconds left of its lifetime now (0 once it has ended, until it is reaped);
+        None when it has none."""
+        from vmsandbox.sandbox.expiry import seconds_left
+
+        left = seconds_left(self.expires_at)
+        return None if left is None else int(left)

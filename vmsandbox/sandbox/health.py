@@ -9,7 +9,7 @@ Each pass (``Monitor.look``):
 2. gathers signals: each GPU's config space and power state (not of a GPU being sanitized or
    reset: its own steps judge it), the AER lines the host kernel logged since the last pass
    (a cursor in ``<state>/custody/kmsg.cursor``), domains libvirt reports paused on a fault
-   two passes in a row, and every ``gpu_xid_interval`` seconds the Xid lines in the kernel
+   two passes in a row, and every ``xid_interval`` seconds (30) the Xid lines in the kernel
    log of each running sandbox with NVIDIA GPUs (over SSH, as verify reads them);
 3. under the lock, applies them: a signal that quarantines makes the GPU suspect or
    quarantined (state.py says which) and the sandbox holding it ``failed``, with the reason, in
@@ -70,6 +70,7 @@ class SandboxManager(Protocol):
 
 
 QUARANTINED_REASON = "GpuQuarantined"  # the failure's reason in a sandbox's record
+XID_INTERVAL_S = 30.0  # between looks into running GPU guests' kernel logs (over SSH)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class Monitor:
     paused: Callable[[], Mapping[str, str]] | None = None
     kernel_log: KernelLog | None = None
     clock: Callable[[], float] = time.time
+    xid_interval: float = XID_INTERVAL_S
     _paused_before: dict[str, str] = field(default_factory=dict)
     _last_xids: float = 0.0
     _xid_lines: dict[str, set[str]] = field(default_factory=dict)
@@ -148,7 +150,7 @@ class Monitor:
             ports = {gpu.bdf: pcistate.parent_bridge(gpu.bdf, sysfs) for gpu in watched}
             found += signals.from_aer(aer.parse(lines), watched, ports)
         found += self._pauses(inventory)
-        if self.clock() - self._last_xids >= config.gpu_xid_interval:
+        if self.clock() - self._last_xids >= self.xid_interval:
             self._last_xids = self.clock()
             found += self._xids()
         return found

@@ -40,6 +40,8 @@ from vmsandbox.lock import held
 from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.process import Ownership, ProcessIdentity
 
+TEARDOWNS = ("destroy", "reconcile")  # what a hold's owner does when it takes a sandbox apart
+
 
 @dataclass(frozen=True)
 class Hold:
@@ -73,6 +75,12 @@ class Hold:
     def left_over(self) -> bool:
         """Whether a transition was at work on it and is gone: reconcile's to take apart."""
         return self.owner is not None and not self.owner.alive()
+
+    @property
+    def being_removed(self) -> bool:
+        """Whether a teardown has taken it over (working, or left over for reconcile): nothing
+        may commit to the sandbox any more."""
+        return self.owner is not None and self.doing in TEARDOWNS
 
     def owned_by(self, owner: ProcessIdentity | None) -> bool:
         return owner is not None and self.owner == owner
@@ -131,6 +139,11 @@ class Holds:
     def get(self, uuid: str) -> Hold | None:
         return self.all().get(uuid) if uuid else None
 
+    def others_named(self, uuid: str, stem: str) -> list[Hold]:
+        """The holds other than ``uuid``'s that reserve the name ``stem`` (files of that name
+        are theirs then, never ``uuid``'s to remove)."""
+        return [h for h in self.all().values() if h.uuid != uuid and stem in (h.name, h.stem)]
+
     def put(self, hold: Hold) -> Hold:
         """Write ``hold`` (atomically: readers see the old one or the new one)."""
         self._check_locked(f"writing the reservation of sandbox {hold.name!r}")
@@ -145,7 +158,7 @@ class Holds:
         except OSError as exc:
             partial.unlink(missing_ok=True)
             doing = f"writing the reservation of sandbox {hold.name!r}"
-            raise _unwritable(doing, exc, partial) from exc
+            raise unwritable(doing, exc, partial) from exc
         (self.folder / f"{hold.uuid}.gone").unlink(missing_ok=True)
         return hold
 
@@ -179,7 +192,7 @@ class Holds:
                 (self.folder / f"{uuid}.gone").unlink()
 
 
-def _unwritable(doing: str, exc: OSError, path: Path) -> VmSandboxError:
+def unwritable(doing: str, exc: OSError, path: Path) -> VmSandboxError:
     """RESOURCE_EXHAUSTED for a full disk, FAILED_PRECONDITION otherwise, naming the file."""
     full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
     return (ResourceExhausted if full else FailedPrecondition)(
@@ -203,6 +216,4 @@ def own(config: Config) -> Ownership:
     try:
         return Ownership(owners_folder(config))
     except OSError as exc:
-        raise _unwritable(
-            "writing the owner file of this call", exc, owners_folder(config)
-        ) from exc
+        raise unwritable("writing the owner file of this call", exc, owners_folder(config)) from exc

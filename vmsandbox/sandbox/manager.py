@@ -11,37 +11,45 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from vmsandbox.config import Config
-from vmsandbox.errors import FailedPrecondition, NotFound
+from vmsandbox.errors import FailedPrecondition
 from vmsandbox.guest import ssh
-from vmsandbox.guest.keys import SandboxKeys
 from vmsandbox.host.numa import host_cpus_by_node
 from vmsandbox.image.store import BaseImage, ImageStore
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
-from vmsandbox.sandbox import create, custody, health, power, reserve, runner, teardown
+from vmsandbox.sandbox import (
+    create,
+    custody,
+    dryrun,
+    health,
+    lifetime,
+    power,
+    reserve,
+    runner,
+    teardown,
+)
 from vmsandbox.sandbox import plan as planner
+from vmsandbox.sandbox.access import SandboxAccess
 from vmsandbox.sandbox.boot import check_timeout
 from vmsandbox.sandbox.create import Creation
 from vmsandbox.sandbox.handle import Sandbox
-from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.pool.keeper import WarmPool
 from vmsandbox.sandbox.pool.shapes import check_not_pooled_name, is_pool_guest
 from vmsandbox.sandbox.reconcile import reconcile as reconcile_sandboxes
 from vmsandbox.sandbox.record import (
     STATE_READY,
     SandboxFiles,
-    SandboxRecord,
     prepare_state_dirs,
 )
+from vmsandbox.sandbox.settle import UNSETTLED, require_running, settle, settle_all
 from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 from vmsandbox.sandbox.store import SandboxStore
 from vmsandbox.vm import virt
-from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor, LibvirtHypervisor
 
 if TYPE_CHECKING:
@@ -50,7 +58,7 @@ if TYPE_CHECKING:
     from vmsandbox.host.model import Gpu, Inventory
 
 
-class SandboxManager:
+class SandboxManager(SandboxAccess):
     """Create, find, use, stop, start and destroy sandboxes on one host.
 
     ``checkpoint(stage)`` is called after each create step (see create.py); the crash tests
@@ -126,7 +134,8 @@ class SandboxManager:
         removes the sandbox unless ``keep_on_failure``.
 
         A started spec of a ``[pool]`` shape claims a ready pooled guest (GPUs attached live),
-        then (``refill``) starts a background ``vmsandbox pool fill``; else it boots cold.
+        then (``refill``) starts a background ``vmsandbox pool fill``; else it boots cold, and
+        (``refill``) starts one when the pool is short of guests.
 
         Any failure undoes every step this call made (create.py) before the error
         propagates, which also frees the GPUs it had chosen.
@@ -151,9 +160,10 @@ class SandboxManager:
         runner.run(steps, creation, self.locked, self.checkpoint)
         assert creation.record is not None  # made by the define step
         sandbox = self.store.view(creation.record, creation.state, creation.uuid)
-        sandbox.boot_seconds = creation.boot_seconds
         create.check_verification(creation)  # a sandbox kept although its check failed
         say(f"sandbox {name} is {creation.state}")
+        if refill and start:
+            self.pool.refill_if_short()  # a claim without refill, or a burst, left it short
         return sandbox
 
     def _creation(
@@ -174,43 +184,26 @@ class SandboxManager:
         )
 
     def verify(self, name: str) -> dict[str, Any]:
-        """Re-run the in-guest GPU verification of a running sandbox; the report is stored."""
-        record, state = self.store.get(name)
-        files = SandboxFiles.of(self.config, record.stem)
-        report = create.verify_guest(record, self._endpoint(record), files)
-        self.store.put(replace(record, verification=report), state)
-        health.from_verification(self, record, report)  # Xids that quarantine a GPU
+        """Re-run the in-guest GPU verification of a running sandbox; the report is stored (in
+        that sandbox only: NOT_FOUND when it was removed meanwhile). FAILED_PRECONDITION for a
+        guest that does not run, UNAVAILABLE for one whose sshd does not answer with the pinned
+        host key (a sandbox without GPUs is checked for that)."""
+        sandbox = self.get(name)
+        require_running(sandbox, "verify")
+        found = self.store.require(name, sandbox.uuid)
+        files = SandboxFiles.of(self.config, found.record.stem)
+        endpoint = self._endpoint(found.record)
+        ssh.prove_host_key(endpoint, files.keys(found.record.host_key_alias))
+        report = create.verify_guest(found.record, endpoint, files)
+        with self.locked("record a verification"):
+            self.store.commit(found, lambda now: replace(now, verification=report))
+        health.from_verification(self, found.record, report)  # Xids that quarantine a GPU
         return report
 
-    def dry_run(self, spec: SandboxSpec) -> tuple[str, list[Gpu]]:
-        """The domain XML and GPUs that ``create`` would use now; defines and writes nothing.
-
-        Needs no built image: an image that is not built yet is shown at the path it will have.
-        On NVSwitch boards Fabric Manager's table is read (shared mode) but nothing activated;
-        the XML names the partition in its record, or carries the NVSwitches (full passthrough).
-        """
-        self.check_caps(spec)
-        name = spec.name or generate_name()
-        try:
-            image: BaseImage | None = self.images.get(spec.image)
-        except NotFound:
-            image = None
-        virt_type = virt.for_sandbox(spec.virt_type, self.config, None, self.progress)
-        view = self.look(spec)
-        with self.locked("dry run"):
-            now = reserve.taken(view, Holds(self.config))
-            chosen = reserve.allocate(spec.gpu, view, now, self.config.max_gpus)
-            port = reserve.pick_port(now) if self.config.network == "user" else None
-        planned = planner.plan(
-            spec,
-            name=name,
-            config=self.config,
-            image=image,
-            virt_type=virt_type,
-            allocation=chosen,
-            port=port,
-            host_cpus=host_cpus_by_node() if chosen else None,
-        )
+    def dry_run(self, spec: SandboxSpec) -> tuple[str, builtins.list[Gpu]]:
+        """The domain XML and GPUs that ``create`` would use now, refusing what it refuses;
+        defines and writes nothing (dryrun.py)."""
+        planned = dryrun.dry_run(self, spec)
         return planned.xml(), list(planned.gpus)
 
     def look(self, spec: SandboxSpec) -> reserve.HostView:
@@ -229,57 +222,19 @@ class SandboxManager:
     # -- read ---------------------------------------------------------------------------------
 
     def get(self, name: str, *, uuid: str | None = None) -> Sandbox:
-        """Sandbox ``name``; with ``uuid``, only the sandbox of that identity (NOT_FOUND)."""
-        found = self.store.require(name, uuid)
-        record = self.store.with_address(found.record, found.state)
+        """Sandbox ``name``; with ``uuid``, only the sandbox of that identity (NOT_FOUND). A
+        state that said only what the last call saw is looked at again first (settle.py)."""
+        found = settle(self.store, self.locked, self.store.require(name, uuid))
+        record = self.store.with_address(found.record, found.state, found.uuid)
         return self.store.view(record, found.state, found.uuid)
 
     def list(self) -> list[Sandbox]:
-        """The sandboxes (pooled guests not claimed yet are the pool's: ``pool.show``)."""
-        return sorted(
-            (
-                self.store.view(f.record, f.state, f.uuid)
-                for f in self.store.found()
-                if not is_pool_guest(f.record)
-            ),
-            key=lambda sandbox: sandbox.name,
-        )
-
-    # -- use ----------------------------------------------------------------------------------
-
-    def keys_of(self, sandbox: Sandbox) -> SandboxKeys:
-        stem = sandbox.domain.removeprefix(DOMAIN_PREFIX)  # a claimed guest's files keep its name
-        return SandboxFiles.of(self.config, stem).keys(sandbox.host_key_alias)
-
-    def _endpoint(self, record: SandboxRecord) -> ssh.Endpoint:
-        if record.ssh.port is None:
-            raise FailedPrecondition(f"sandbox {record.name!r} has no SSH endpoint yet")
-        return ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user)
-
-    def exec(
-        self,
-        name: str,
-        command: Sequence[str] | str,
-        *,
-        timeout: float | None = None,
-        stdout: IO[bytes] | None = None,
-        stderr: IO[bytes] | None = None,
-    ) -> ssh.ExecResult:
-        """Run a command in the sandbox: a list is quoted word by word; a string is a shell line."""
-        sandbox = self.get(name)
-        if sandbox.ssh is None:
-            raise FailedPrecondition(f"sandbox {name!r} has no SSH endpoint yet")
-        check_timeout(timeout)
-        command = ssh.shell_command(command)
-        keys = self.keys_of(sandbox)
-        return ssh.run(sandbox.ssh, keys, command, timeout=timeout, stdout=stdout, stderr=stderr)
-
-    def ssh_argv(self, name: str, command: Sequence[str] = ()) -> builtins.list[str]:
-        """The OpenSSH command line that logs into the sandbox with its pinned host key."""
-        sandbox = self.get(name)
-        if sandbox.ssh is None:
-            raise FailedPrecondition(f"sandbox {name!r} has no SSH endpoint yet")
-        return ssh.ssh_argv(sandbox.ssh, self.keys_of(sandbox), command)
+        """The sandboxes, their states settled as ``get``'s (pooled guests not claimed yet are
+        the pool's: ``pool.show``)."""
+        found = [f for f in self.store.found() if not is_pool_guest(f.record)]
+        settled = settle_all(self.store, self.locked, found)
+        views = (self.store.view(f.record, f.state, f.uuid) for f in settled)
+        return sorted(views, key=lambda sandbox: sandbox.name)
 
     # -- power (power.py) ----------------------------------------------------------------------
 
@@ -290,8 +245,10 @@ class SandboxManager:
         check_timeout(grace, field="grace")
         found = self.store.require(name, uuid)
         power.check_powerable(found.record, found.state)
-        power.stop(self.hypervisor, found.record.domain, grace=grace, uuid=found.uuid)
-        return self.get(name)
+        power.stop(
+            self.hypervisor, found.record.domain, grace=grace, uuid=found.uuid, say=self.progress
+        )
+        return self.get(name, uuid=found.uuid)
 
     def start(
         self,
@@ -303,22 +260,31 @@ class SandboxManager:
         uuid: str | None = None,
     ) -> Sandbox:
         """Start a stopped (or only defined) sandbox, its GPUs passed through again; with
-        ``wait``, return once it is ready (``wait``). Idempotent: a running sandbox is returned
-        as it is. A GPU gone from the host: FAILED_PRECONDITION, the sandbox left as it was.
-        A forwarded SSH port taken meanwhile by another program is replaced by a free one."""
+        ``wait``, return once it is ready. Idempotent: a running sandbox is returned as it is,
+        after a wait for it when it shows ``started`` or ``failed`` (settle.py). A GPU gone from
+        the host: FAILED_PRECONDITION, the sandbox left as it was; an SSH port taken meanwhile
+        moves."""
         check_timeout(timeout)
         found = self.store.require(name, uuid)
-        if power.start(self.hypervisor, self.config, found, self.locked) and wait:
-            return self.wait(name, verify=verify, timeout=timeout)
-        return self.get(name)
+        unsettled = self.store.view(found.record, found.state, found.uuid).state in UNSETTLED
+        if (power.start(self.hypervisor, self.config, found, self.locked) or unsettled) and wait:
+            return self.wait(name, verify=verify, timeout=timeout, uuid=found.uuid)
+        return self.get(name, uuid=found.uuid)
 
-    def wait(self, name: str, *, verify: bool = True, timeout: float | None = None) -> Sandbox:
-        """Wait until a started sandbox answers SSH, verify its GPUs (``verify``) and mark it
-        ready; a guest that does not come up is marked failed, the reason in its record."""
+    def wait(
+        self,
+        name: str,
+        *,
+        verify: bool = True,
+        timeout: float | None = None,
+        uuid: str | None = None,
+    ) -> Sandbox:
+        """Wait until a started sandbox (with ``uuid``: of that identity) answers SSH, verify
+        its GPUs and mark it ready, or failed with why (NOT_FOUND when removed meanwhile)."""
         check_timeout(timeout)
-        found = self.store.require(name)
-        waiting = (self.hypervisor, self.config, found.record, self.progress)
-        record, waited = power.wait(*waiting, verify=verify, timeout=timeout)
+        found = self.store.require(name, uuid)
+        how = (self.progress, self.locked, verify, timeout)
+        record, waited = power.wait(self.hypervisor, self.config, found, *how)
         sandbox = self.store.view(record, STATE_READY, found.uuid)
         sandbox.boot_seconds = waited
         return sandbox
@@ -329,20 +295,32 @@ class SandboxManager:
         with self.locked("record a runtime generation"):
             return self.store.update(name, uuid=uuid, generation=generation)
 
+    # -- lifetime (lifetime.py) --------------------------------------------------------------
+
+    def extend(self, name: str, seconds: float) -> Sandbox:
+        """Push the end of sandbox ``name``'s lifetime ``seconds`` later (from now, once it has
+        passed); FAILED_PRECONDITION for a sandbox created without one (``SandboxSpec.ttl``)."""
+        return lifetime.extend(self.store, self.locked, name, seconds)
+
+    def reap(self) -> lifetime.Reaped:
+        """Destroy this state directory's sandboxes whose lifetime has ended; what was
+        destroyed, and what could not be and why. A libvirt error listing the sandboxes
+        propagates before anything is destroyed."""
+        return lifetime.reap(self.store, lambda name, uuid: self.destroy(name, uuid=uuid))
+
     # -- destroy ------------------------------------------------------------------------------
 
     def destroy(self, name: str, *, uuid: str | None = None, pooled_only: bool = False) -> None:
         """Stop and remove the sandbox: domain, NVRAM, overlay, seed, keys, console and QEMU
-        logs, then its Fabric Manager partition (NVSwitch boards) (teardown.py). Idempotent in
-        effect: whatever is left of it is removed; NOT_FOUND only when nothing of it existed
-        (with ``uuid``: when the sandbox of that identity is gone); FAILED_PRECONDITION naming
-        what could not be removed. ``pooled_only``: only an unclaimed pooled guest."""
+        logs, its Fabric Manager partition (teardown.py). Idempotent in effect: what is left of
+        it is removed; NOT_FOUND only when nothing of it existed (with ``uuid``: when the
+        sandbox of that identity is gone); FAILED_PRECONDITION naming what could not be
+        removed. ``pooled_only``: only an unclaimed pooled guest."""
         teardown.destroy(self.store, self.locked, name, uuid=uuid, pooled_only=pooled_only)
 
     # -- repair -------------------------------------------------------------------------------
 
     def reconcile(self) -> dict[str, builtins.list[str]]:
-        """Finish removing what killed or failed calls left half-made in this state directory
-        and release fabric partitions whose sandbox is gone (reconcile.py); returns what was
-        removed, the partitions released and what could not be fixed."""
+        """Finish removing what killed or failed calls left half-made here and release fabric
+        partitions whose sandbox is gone (reconcile.py): what was removed, released, left."""
         return reconcile_sandboxes(self.hypervisor, self.config, self.locked).to_dict()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from vmsandbox.errors import InvalidArgument, ResourceExhausted
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.image.build import KERNEL_CMDLINE, LATE_NIC_ARG
 from vmsandbox.image.store import BaseImage
+from vmsandbox.sandbox import expiry
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
     HotplugRecord,
@@ -109,14 +109,16 @@ def plan(
         mac=mac,
         keys=str(files.keys_dir),
         host_key_alias=alias,
-        created_at=created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        created_at=created_at or expiry.stamp(expiry.now()),
         creator=creator,
         labels=dict(spec.labels),
         credential=spec.credential,
+        owner=spec.owner,
         gpus=tuple(GpuRecord.of(gpu) for gpu in gpus),
         fabric_partition=partition.id if partition else None,
         switches=tuple(switches),
         hotplug=_hotplug_record(hotplug),
+        expires_at=expiry.ends_at(spec.ttl),
     )
     image_dir = image.path if image else config.images / spec.image / "current"
     domain = domain_xml.DomainPlan(
@@ -193,11 +195,14 @@ def with_port(planned: SandboxPlan, port: int) -> SandboxPlan:
 
 
 def check_caps(spec: SandboxSpec, config: Config) -> None:
-    """INVALID_ARGUMENT when the spec asks for more than this host allows one sandbox."""
+    """INVALID_ARGUMENT when the spec asks for more than this host allows one sandbox: vCPUs,
+    memory, disk, and a number of GPUs (counted or named) over ``max_gpus``."""
+    gpus = (spec.gpu.count or len(spec.gpu.devices)) if spec.gpu else 0
     for what, value, cap in (
         ("cpus", spec.cpus, config.max_cpus),
         ("memory_mib", spec.memory_mib, config.max_memory_mib),
         ("disk_gib", spec.disk_gib, config.max_disk_gib),
+        ("gpus", gpus, config.max_gpus),
     ):
         if value > cap:
             raise InvalidArgument(

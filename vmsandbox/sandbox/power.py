@@ -8,6 +8,11 @@ so a watcher of libvirt's metadata events (the OpenShell driver) learns of them.
 
 A start whose forwarded SSH port another program took meanwhile (QEMU cannot bind it) moves
 the forward to a free port, reserved under the host lock, and starts again.
+
+Each acts on the sandbox its caller looked up, by its domain UUID (``Found.uuid``): a stop
+presses that domain's power button, a wait watches that domain, and what a wait learned is
+committed under the host lock only while that sandbox is still there (``SandboxStore.commit``),
+never onto a later sandbox that took the name.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, Internal, VmSandboxError
 from vmsandbox.guest import control
 from vmsandbox.image.store import ImageStore
-from vmsandbox.progress import Progress
+from vmsandbox.progress import Progress, silent
 from vmsandbox.sandbox import boot, create, reserve
 from vmsandbox.sandbox.holds import Holds, owners_folder
 from vmsandbox.sandbox.record import (
@@ -33,7 +38,7 @@ from vmsandbox.sandbox.record import (
     SandboxFiles,
     SandboxRecord,
 )
-from vmsandbox.sandbox.store import Found
+from vmsandbox.sandbox.store import Found, SandboxStore
 from vmsandbox.vm import netguard
 from vmsandbox.vm.domain import with_ssh_port
 from vmsandbox.vm.hypervisor import Hypervisor
@@ -45,9 +50,18 @@ PORT_TRIES = 3
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
 
 
-def stop(hypervisor: Hypervisor, domain: str, *, grace: float, uuid: str | None = None) -> None:
+def stop(
+    hypervisor: Hypervisor,
+    domain: str,
+    *,
+    grace: float,
+    uuid: str | None = None,
+    say: Progress = silent,
+) -> None:
     """Press the guest's power button (again every PRESS_AGAIN_S), and power it off when it
-    still runs after ``grace`` seconds. Nothing to do for a domain that does not run.
+    still runs after ``grace`` seconds. Nothing to do for a domain that does not run (with
+    ``uuid``: for the domain of that UUID only, whatever has its name now). ``say`` hears each
+    step, so a stop that takes seconds is not silent.
 
     A press is lost when nothing in the guest listens yet: a guest that has just answered SSH
     may still be loading its ACPI button driver or starting logind (the project's lean images
@@ -56,13 +70,17 @@ def stop(hypervisor: Hypervisor, domain: str, *, grace: float, uuid: str | None 
     start = time.monotonic()
     deadline = start + grace
     presses = 0
-    while hypervisor.running(domain) and time.monotonic() < deadline:
+    while hypervisor.running(domain, uuid=uuid) and time.monotonic() < deadline:
         if time.monotonic() >= start + presses * PRESS_AGAIN_S:
-            hypervisor.shutdown(domain)
+            say(f"pressing the power button of {domain} (power off after {grace:g}s)")
+            hypervisor.shutdown(domain, uuid=uuid)
             presses += 1
         time.sleep(POLL_S)
-    if hypervisor.running(domain):
+    if hypervisor.running(domain, uuid=uuid):
+        say(f"{domain} still runs after {grace:g}s: powering it off")
         hypervisor.stop(domain, uuid=uuid)
+    elif presses:
+        say(f"{domain} shut down after {time.monotonic() - start:.1f}s")
 
 
 def check_powerable(record: SandboxRecord, state: str) -> None:
@@ -88,19 +106,19 @@ def start(hypervisor: Hypervisor, config: Config, found: Found, lock: Lock) -> b
     between the call and QEMU running). A refused start restores the record and state it had,
     and the error (FAILED_PRECONDITION with libvirt's words for a GPU that is gone) propagates.
     """
-    record, state = found.record, found.state
+    record, state, uuid = found.record, found.state, found.uuid or None
     domain = record.domain  # a claimed pooled guest's domain keeps the guest's name
     check_powerable(record, state)
-    if hypervisor.running(domain):
+    if hypervisor.running(domain, uuid=uuid):
         return False
     netguard.before_start(config)
     starter = process_owner(owners_folder(config))
     starting = replace(record, failure=None, starter=starter)
-    hypervisor.set_metadata(domain, starting.to_dict(), STATE_STARTING)
+    hypervisor.set_metadata(domain, starting.to_dict(), STATE_STARTING, uuid=uuid)
     try:
         for attempt in range(1, PORT_TRIES + 1):
             try:
-                hypervisor.start(domain)
+                hypervisor.start(domain, uuid=uuid)
                 break
             except FailedPrecondition as exc:
                 taken = "host forwarding" in exc.message and record.ssh.port is not None
@@ -109,7 +127,8 @@ def start(hypervisor: Hypervisor, config: Config, found: Found, lock: Lock) -> b
                 starting = _new_port(hypervisor, config, found.uuid, starting, lock)
     except BaseException as exc:
         try:
-            hypervisor.set_metadata(domain, replace(starting, starter=None).to_dict(), state)
+            restored = replace(starting, starter=None).to_dict()
+            hypervisor.set_metadata(domain, restored, state, uuid=uuid)
         except VmSandboxError as restore:  # the start's error stays the one the caller sees
             exc.add_note(f"restoring the state of sandbox {record.name!r} failed: {restore}")
         raise
@@ -128,32 +147,39 @@ def _new_port(
         hold = holds.get(uuid)
         if hold is not None:
             holds.put(replace(hold, port=port))
-        hypervisor.define(with_ssh_port(hypervisor.definition(record.domain), port))
+        definition = hypervisor.definition(record.domain, uuid=uuid)
+        hypervisor.define(with_ssh_port(definition, port))
         moved = replace(record, ssh=replace(record.ssh, port=port))
-        hypervisor.set_metadata(record.domain, moved.to_dict(), STATE_STARTING)
+        hypervisor.set_metadata(record.domain, moved.to_dict(), STATE_STARTING, uuid=uuid)
     return moved
 
 
 def wait(
     hypervisor: Hypervisor,
     config: Config,
-    record: SandboxRecord,
+    found: Found,
     progress: Progress,
-    *,
+    lock: Lock,
     verify: bool,
     timeout: float | None,
 ) -> tuple[SandboxRecord, float]:
-    """Wait until a started guest answers SSH (failing fast as boot.py does), verify its GPUs
-    from inside (``verify``) and store it ready; return the record and the seconds waited.
+    """Wait until the started guest of ``found`` (its domain UUID) answers SSH (failing fast as
+    boot.py does), verify its GPUs from inside (``verify``) and store it ready; return the
+    record and the seconds waited.
 
     A guest that does not come up is stored ``failed`` with the error's code and message as its
     ``failure``, and the error propagates; a failed verification is stored (ready, with its
-    report) and raised as GuestVerificationFailed.
+    report) and raised as GuestVerificationFailed. Either is committed under ``lock`` into the
+    record the sandbox has then, only while it is still that sandbox (``SandboxStore.commit``):
+    NOT_FOUND when it was removed meanwhile, whatever has its name now.
     """
+    record = found.record
     domain = record.domain
     files = SandboxFiles.of(config, record.stem)
+    store = SandboxStore(hypervisor, config)
     limit = timeout or boot.boot_timeout(config.boot_timeout, record.memory_mib, len(record.gpus))
-    watch = boot.BootWatch(hypervisor, record.name, domain, files, _reports_sshd(config, record))
+    sshd = reports_sshd(config, record)
+    watch = boot.BootWatch(hypervisor, record.name, domain, files, sshd, uuid=found.uuid)
     try:
         endpoint = boot.endpoint(watch, record.ssh, timeout=limit)
         if record.ssh.port is None:  # the DHCP address is kept: get/exec/ssh use it
@@ -163,14 +189,21 @@ def wait(
         report = create.verify_guest(record, endpoint, files) if verify else None
     except Exception as exc:  # any failure ends the wait with a state, never "starting"
         error = exc if isinstance(exc, VmSandboxError) else _internal(record, exc)
-        failed = replace(record, failure={"code": error.code, "message": error.message})
-        with contextlib.suppress(VmSandboxError):  # the boot's error is the one to see
-            hypervisor.set_metadata(domain, failed.to_dict(), STATE_FAILED)
+        failure = {"code": error.code, "message": error.message}
+        with contextlib.suppress(VmSandboxError), lock():  # the boot's error is the one to see
+            store.commit(found, lambda now: replace(now, failure=failure), STATE_FAILED)
         if error is exc:
             raise
         raise error from exc
-    record = replace(record, verification=report, failure=None)
-    hypervisor.set_metadata(domain, record.to_dict(), STATE_READY)
+    learned = record.ssh if found.record.ssh.port is None else None  # the DHCP address
+
+    def ready(now: SandboxRecord) -> SandboxRecord:
+        return replace(
+            now, ssh=learned or now.ssh, verification=report, failure=None, boot_seconds=waited
+        )
+
+    with lock():
+        record = store.commit(found, ready, STATE_READY).record
     if report is not None and not report["ok"]:
         from vmsandbox.guest.verify import VerificationReport, raise_if_failed
 
@@ -185,7 +218,7 @@ def _internal(record: SandboxRecord, exc: Exception) -> Internal:
     )
 
 
-def _reports_sshd(config: Config, record: SandboxRecord) -> bool:
+def reports_sshd(config: Config, record: SandboxRecord) -> bool:
     """Whether the sandbox's image build says on the console when sshd has started (False
     when the build is gone: the wait then knocks as for any image)."""
     builds = ImageStore(config.images).builds(record.image)

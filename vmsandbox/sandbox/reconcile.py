@@ -4,8 +4,10 @@ view only.
 It reads every domain first, outside the host lock (``Hypervisor.every_domain``: the whole
 list or an error; a libvirt error, such as libvirtd restarting mid-scan, aborts reconcile before it
 decides anything, so nothing is ever removed on a partial view). Under the lock it reads the
-reservations (holds.py) and decides; each decision that rests on a domain being gone is
-checked again with a fresh lookup, since the view is older than the lock. Only sandboxes of
+reservations (holds.py) and decides; the view is older than the lock, so every domain it acts
+on is looked up again there by its UUID (one that is gone since is left alone: a later create
+may have its name by now), and so is every decision that rests on a domain being gone. Only
+sandboxes of
 this state directory are touched (their record names the keys folder kept here); a domain
 without a vmsandbox record naming it is never ours.
 
@@ -16,15 +18,18 @@ Left over, and taken apart (teardown.finish, slow parts outside the lock):
 - a domain still marked creating whose creator is gone, made before reservations existed;
 - a stopped domain whose overlay, seed or keys are gone (a running one is reported, not
   stopped);
-- files with no domain and no reservation (removed at once, under the lock).
+- files with no domain and no reservation (removed at once, under the lock);
+- owner files (``owners/``) that nobody keeps locked: their processes were killed.
 
 Also under the lock: a settled reservation whose domain is gone (removed by something else
 than vmsandbox) is dropped; a sandbox made before reservations existed gets one; tombstones of
 domains no longer listed are forgotten. Last, the fabric ledger: a Fabric Manager partition
-leased to a UUID that is neither a domain nor a reservation is deactivated. Fabric Manager
-unreachable is a problem reported, not an error: the leases stay for the next reconcile.
-Then the GPUs' custody (sandbox/custody.py): GPUs released above or left sanitizing are
-sanitized, and GPUs of sandboxes gone another way are released and sanitized.
+leased to a UUID that is neither a domain nor a reservation is deactivated, decided from the
+ledger and the reservations read in one hold of the lock (a create reserves before it
+leases), and deactivated after it (gpu/fabric/lease.py). Fabric Manager unreachable is a
+problem reported, not an error: the leases stay for the next reconcile. Then the GPUs'
+custody (sandbox/custody.py): GPUs released above or left sanitizing are sanitized, and GPUs
+of sandboxes gone another way are released and sanitized.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from vmsandbox.errors import InvalidArgument, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.sandbox import custody
 from vmsandbox.sandbox.create import Remains
-from vmsandbox.sandbox.holds import Hold, Holds, own
+from vmsandbox.sandbox.holds import Hold, Holds, own, owners_folder
 from vmsandbox.sandbox.pool.shapes import holds as of_shape
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
@@ -51,7 +56,7 @@ from vmsandbox.sandbox.teardown import finish
 from vmsandbox.validate import validate_name
 from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor, Stored
-from vmsandbox.vm.process import Ownership
+from vmsandbox.vm.process import Ownership, sweep_owner_files
 
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
 
@@ -93,6 +98,7 @@ def reconcile(hypervisor: Hypervisor, config: Config, lock: Lock) -> Report:
         report.problems += custody.reconcile(config, lock, view.domains)
     finally:
         owner.end()
+    sweep_owner_files(owners_folder(config))
     return report
 
 
@@ -131,20 +137,22 @@ def _decide(
         if found is None and stored.uuid in gone and _gone(hypervisor, stored.uuid, stored.domain):
             continue  # undefined since the view was read
         legacy = found is None
+        # A settled hold says its transition committed, whatever the (older) view's state;
+        # only a sandbox made before reservations is judged by its record, read again now by
+        # its UUID: one gone since the view gets nothing (its name may be a new create's).
+        fresh = hypervisor.metadata(stored.domain, uuid=stored.uuid) if legacy else None
+        if legacy and fresh is None:
+            continue
         # made before reservations existed: it gets one now
         hold = holds.put(_backfill(config, record, stored)) if found is None else found
-        # A settled hold says its transition committed, whatever the (older) view's state;
-        # only a sandbox made before reservations is judged by its record, read again now.
-        fresh = hypervisor.metadata(stored.domain) if legacy else None
-        creating = fresh is not None and fresh.uuid == stored.uuid
-        creating = creating and fresh is not None and fresh.state == STATE_CREATING
+        creating = fresh is not None and fresh.state == STATE_CREATING
         if creating and record.creator is not None and record.creator.alive():
             continue  # a create from before reservations, still at work
         files = SandboxFiles.of(config, record.stem)
         missing = [str(p) for p in (files.overlay, files.seed, files.keys_dir) if not p.exists()]
         if not creating and not missing:
             continue
-        if not creating and hypervisor.running(stored.domain):
+        if not creating and hypervisor.running(stored.domain, uuid=stored.uuid):
             report.problems.append(
                 f"{record.name}: running, but its files are gone ({', '.join(missing)}); "
                 f"remove it with 'vmsandbox destroy {record.name}'"
@@ -199,13 +207,17 @@ def _backfill(config: Config, record: SandboxRecord, stored: Stored) -> Hold:
 def _fabric(config: Config, view: HostView, lock: Lock, report: Report) -> None:
     """Deactivate partitions leased to a UUID that is neither a domain nor a reservation."""
     fabric = FabricLease(config)
-    with lock():  # fresh: the view still lists the domains taken apart above (tombstones)
+    # Reservations and ledger read in one hold (fresh: the view still lists the domains taken
+    # apart above, tombstones say which): a lease the reservations do not explain is not one
+    # a create wrote since, since a create reserves before it leases.
+    with lock():
         holds = Holds(config)
         reserved, gone = holds.all(), holds.gone()
-    live = ({stored.uuid for stored in view.domains} - gone) | set(reserved)
-    names = {s.domain.removeprefix(DOMAIN_PREFIX) for s in view.domains}
-    names |= {hold.stem for hold in reserved.values()}
-    report.problems += fabric.reconcile(live, names)
+        live = ({stored.uuid for stored in view.domains} - gone) | set(reserved)
+        names = {s.domain.removeprefix(DOMAIN_PREFIX) for s in view.domains}
+        names |= {hold.stem for hold in reserved.values()}
+        orphans = fabric.orphans(live, names)
+    report.problems += fabric.release_orphans(orphans)
 
 
 def names_on_disk(config: Config) -> set[str]:

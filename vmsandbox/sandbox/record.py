@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,10 @@ if TYPE_CHECKING:
 # 5: ``credential``, the salted digest of a secret the guest holds (credential.py).
 # 6: ``hotplug``, the spare root ports of a GPU-ready pooled guest (gpu/hotplug.py).
 # 7: ``generation``, the runtime generation the OpenShell gateway last started it with.
-SCHEMA_VERSION = 7
+# 8: ``owner``, who asked for it through the OpenShell driver (openshell/caller.py).
+# 9: ``boot_seconds``, how long its last boot took to answer SSH (shown by ``show``).
+# 10: ``expires_at``, the end of a sandbox's lifetime (``create --ttl``; lifetime.py).
+SCHEMA_VERSION = 10
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
@@ -40,9 +44,30 @@ STATE_READY = "ready"  # SSH accepted its key (and the GPUs were verified when a
 STATE_POOLED = "pooled"  # a booted guest of the warm pool, not claimed yet (pool/shapes.py)
 STATE_STARTING = "starting"  # started by power.start; ready once wait() saw SSH (and the GPUs)
 STATE_FAILED = "failed"  # started, but the guest did not come up; ``failure`` says why
+STATE_STOPPED = "stopped"  # never stored: what a sandbox whose domain does not run shows
+# What each state means, as ``vmsandbox show`` prints it beside the state (docs/usage.md has
+# the same table, with the transitions between them).
+STATE_MEANINGS = {
+    STATE_CREATING: "a create, pool fill or claim is making it",
+    STATE_DEFINED: "defined, never started; 'vmsandbox start' starts it",
+    STATE_STARTING: "started by a call that is waiting for SSH to answer",
+    STATE_STARTED: (
+        "its guest runs, but no call has seen SSH answer yet (--no-wait); "
+        "'vmsandbox start' waits for it"
+    ),
+    STATE_READY: "SSH answered with the pinned host key; its GPUs, if any, passed their checks",
+    STATE_FAILED: (
+        "its guest runs, but the last wait for it failed (see failure); "
+        "'vmsandbox start' waits again"
+    ),
+    STATE_STOPPED: "its guest does not run; disk and GPUs kept; 'vmsandbox start' starts it",
+    STATE_POOLED: "a warm-pool guest that no create has claimed yet",
+}
 
 # libvirt writes each QEMU domain's own log here (qemu:///system); destroy removes it too.
 LIBVIRT_QEMU_LOG_DIR = Path("/var/log/libvirt/qemu")
+# The console logs of failed creates kept in <state_dir>/failed/ (the newest ones).
+KEPT_CONSOLE_LOGS = 20
 
 
 @dataclass(frozen=True)
@@ -114,6 +139,16 @@ class SandboxRecord:
     # The OpenShell gateway's generation id of the last StartSandbox that started this sandbox
     # (part of its runtime identity, vmsandbox/openshell/identity.py); None: never restarted so.
     generation: str | None = None
+    # Who asked for it through the OpenShell driver: the calling gateway's identity
+    # (openshell/caller.py: its uid, and the gateway a trusted delegate named), which every
+    # driver RPC is scoped to. None: not made through the driver, or made before owners were
+    # recorded (the driver then reads an owner from its labels, openshell/caller.py).
+    owner: str | None = None
+    # Seconds its last boot took until SSH answered (create or start); None: not waited for.
+    boot_seconds: float | None = None
+    # When the sandbox's lifetime ends (UTC, ``%Y-%m-%dT%H:%M:%SZ``): ``vmsandbox reap``
+    # destroys it from then on. None: it lives until destroyed.
+    expires_at: str | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -159,6 +194,9 @@ class SandboxRecord:
             "credential": self.credential,
             "hotplug": self.hotplug.to_dict() if self.hotplug else None,
             "generation": self.generation,
+            "owner": self.owner,
+            "boot_seconds": self.boot_seconds,
+            "expires_at": self.expires_at,
         }
 
     @classmethod
@@ -166,7 +204,9 @@ class SandboxRecord:
         """Read a stored record; version 1 (no ``version`` key) fills what it lacked, and so do
         records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``),
         version 2 (no ``failure``, no ``starter``), version 3 (no ``guest``) and version 4 (no
-        ``credential``), version 5 (no ``hotplug``) and version 6 (no ``generation``).
+        ``credential``), version 5 (no ``hotplug``), version 6 (no ``generation``), version 7
+        (no ``owner``), version 8 (no ``boot_seconds``) and version 9 (no ``expires_at``: no
+        lifetime).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -216,12 +256,19 @@ class SandboxRecord:
             credential=str(data["credential"]) if data.get("credential") else None,
             hotplug=HotplugRecord.from_dict(hotplug) if isinstance(hotplug, dict) else None,
             generation=str(data["generation"]) if data.get("generation") else None,
+            owner=str(data["owner"]) if data.get("owner") else None,
+            boot_seconds=_optional_float(data.get("boot_seconds")),
+            expires_at=str(data["expires_at"]) if data.get("expires_at") else None,
             version=SCHEMA_VERSION,
         )
 
 
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -284,6 +331,28 @@ class SandboxFiles:
                 f"sandbox {self.name!r}: files could not be removed: {', '.join(failed)}",
                 details={"remaining": [str(path) for path in self.existing()]},
             )
+
+
+def keep_console_log(config: Config, files: SandboxFiles) -> Path | None:
+    """A copy of the console log of a create that failed, made before its undos remove the
+    sandbox's files: ``<state_dir>/failed/NAME-TIME.console.log`` (0600: the boot's lines are
+    the user's to read, not everyone's), the newest KEPT_CONSOLE_LOGS kept. None when there
+    is no log to keep or it cannot be copied (the create's own error matters more)."""
+    try:
+        if not files.console_log.is_file() or files.console_log.stat().st_size == 0:
+            return None
+        folder = config.state_dir / "failed"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        kept = folder / f"{files.name}-{when}.console.log"
+        shutil.copyfile(files.console_log, kept)
+        os.chmod(kept, 0o600)
+        logs = sorted(folder.glob("*.console.log"), key=lambda path: path.stat().st_mtime)
+        for old in logs[:-KEPT_CONSOLE_LOGS]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        return None
+    return kept
 
 
 def names_domain(data: dict[str, Any], domain: str) -> bool:

@@ -6,8 +6,10 @@ Manager's table): slow work, seconds with NVML and 100 domains. Under the lock i
 the reservations (holds.py, a few small files) and puts them on top of the view (``taken``):
 holds are current, and say everything about this state directory's sandboxes; the view adds
 what holds do not describe (other tools' and other state directories' domains, and sandboxes
-made before holds existed), less the domains dropped since it was read (tombstones), and each
-GPU's custody (only free GPUs are given: ``vmsandbox.gpu.custody``). The name, port and GPUs are
+made before holds existed), less the domains dropped since it was read (tombstones), the
+Fabric Manager partitions still in the lease ledger (an orphan's partition stays taken until
+reconcile has deactivated it and dropped its lease, gpu/fabric/lease.py), and each GPU's
+custody (only free GPUs are given: ``vmsandbox.gpu.custody``). The name, port and GPUs are
 then chosen from that (``check_name``, ``pick_port``, ``allocate``), and the hold written before
 the lock is given back.
 """
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 from vmsandbox.errors import AlreadyExists, FailedPrecondition
 from vmsandbox.gpu.custody.state import Custody
 from vmsandbox.gpu.custody.store import CustodyStore
+from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.sandbox import plan
 from vmsandbox.sandbox.holds import Hold, Holds
 from vmsandbox.sandbox.record import SandboxRecord, names_domain
@@ -124,6 +127,8 @@ def taken(view: HostView, holds: Holds) -> Taken:
             now.holders[bdf] = hold.domain
         if hold.partition is not None:
             now.partitions[hold.partition] = hold.domain
+    for lease in FabricLease(holds.config).leases():
+        now.partitions.setdefault(lease.partition, DOMAIN_PREFIX + lease.sandbox)
     return now
 
 

@@ -10,6 +10,8 @@ caller sees. GPUs whose reservation the undos dropped are sanitized last, outsid
 Whatever an undo could not remove is left to reconcile: the transition gives its
 owner file up (``vm.process.Ownership``) when it ends, however it ends, so its record and
 reservation read as left over at once, also in a process that lives on (``vmsandbox serve``).
+A cold create that fails keeps its guest's console log for the user to read (the error names
+where: ``record.keep_console_log``) before its undos remove the sandbox's files.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from vmsandbox.errors import VmSandboxError
 from vmsandbox.sandbox import custody
 from vmsandbox.sandbox.holds import own
+from vmsandbox.sandbox.record import keep_console_log
 
 if TYPE_CHECKING:
     from vmsandbox.progress import Progress
@@ -58,10 +61,19 @@ def run(
                     _run_one(steps[index], creation, checkpoint, done)
                     index += 1
     except BaseException as exc:
+        kept = keep_console_log(creation.config, creation.files) if cold(creation) else None
         note(exc, undo(done, creation, lock), creation.progress)
+        if kept is not None and isinstance(exc, VmSandboxError):
+            exc.message += f"\n(the guest's console log is kept at {kept})"
+            exc.details["console_log"] = str(kept)
         raise
     finally:
         creation.owner.end()
+
+
+def cold(creation: Creation) -> bool:
+    """Whether the transition is a cold create (not a pool fill or claim)."""
+    return creation.doing == "create"
 
 
 def _run_one(

@@ -14,7 +14,7 @@ from vmsandbox.errors import InvalidArgument
 from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.guest.setup import GuestSetup
 from vmsandbox.sandbox.credential import check as check_credential
-from vmsandbox.validate import positive_int, validate_image_name, validate_name
+from vmsandbox.validate import check_duration, positive_int, validate_image_name, validate_name
 
 VIRT_TYPES = ("auto", "kvm", "qemu")
 
@@ -40,6 +40,12 @@ class SandboxSpec:
     # A salted digest (vmsandbox.sandbox.credential.digest) of a secret the guest holds, kept in the
     # record so the sandbox can be recognised by that secret; never the secret itself.
     credential: str | None = None
+    # Who asks, when a driver asks for a caller (the OpenShell driver's gateway identity,
+    # openshell/caller.py): kept in the record, never interpreted here.
+    owner: str | None = None
+    # Seconds the sandbox lives, from its create: ``vmsandbox reap`` (or ``serve``) destroys it
+    # after that (lifetime.py). None: it lives until destroyed.
+    ttl: int | float | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -63,8 +69,18 @@ class SandboxSpec:
                 f"guest must be a GuestSetup or None, got {type(self.guest).__name__}",
                 details={"field": "guest"},
             )
+        if self.ttl is not None:
+            check_duration(self.ttl, "ttl")
         if self.credential is not None:
             check_credential(self.credential, "credential")
+        if self.owner is not None and (
+            not isinstance(self.owner, str)
+            or not 0 < len(self.owner) <= 200
+            or not self.owner.isprintable()
+        ):
+            raise InvalidArgument(
+                "owner must be 1 to 200 printable characters", details={"field": "owner"}
+            )
         if not isinstance(self.labels, dict):
             raise InvalidArgument(
                 f"labels must map strings to strings, got {type(self.labels).__name__}",

@@ -7,12 +7,15 @@ record (record.py) and lifecycle state: ``vmsbx-<name>`` when it was created col
 names that guest). Every reader finds a sandbox by the name in its record, never by its
 domain's: the claimed guest's old name is not the sandbox's. The name is a label a user picks;
 what a sandbox is, once found, is its domain's UUID (``Found.uuid``, ``Sandbox.uuid``), which
-callers that act on it later (destroy, stop, start) hand back so that they reach that very
-sandbox and not a later one of the same name.
+callers that act on it later (destroy, stop, start, a readiness wait) hand back so that they
+reach that very sandbox and not a later one of the same name: every read and write of one
+sandbox here takes that UUID, and a write that follows slow work commits only while the
+sandbox is still there (``commit``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,10 +23,13 @@ from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, NotFound, Unavailable
 from vmsandbox.sandbox import credential
 from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
     STATE_DEFINED,
+    STATE_STARTED,
     STATE_STARTING,
+    STATE_STOPPED,
     SandboxFiles,
     SandboxRecord,
     names_domain,
@@ -98,10 +104,11 @@ class SandboxStore:
             None,
         )
 
-    def by_domain(self, domain: str) -> Found | None:
-        """The sandbox whose domain is ``domain`` (a claimed guest's keeps the guest's name);
-        None when that domain is gone or is not a sandbox."""
-        stored = self.hypervisor.metadata(domain)
+    def by_domain(self, domain: str, uuid: str | None = None) -> Found | None:
+        """The sandbox whose domain is ``domain`` (a claimed guest's keeps the guest's name;
+        with ``uuid``, the domain of that UUID); None when that domain is gone or is not a
+        sandbox."""
+        stored = self.hypervisor.metadata(domain, uuid=uuid)
         if stored is None or (record := self._record(stored)) is None:
             return None
         return Found(record, stored.state, stored.uuid)
@@ -129,8 +136,10 @@ class SandboxStore:
         """Whether this state directory made the sandbox (its record names our keys folder)."""
         return record.keys == str(SandboxFiles.of(self.config, record.stem).keys_dir)
 
-    def put(self, record: SandboxRecord, state: str) -> None:
-        self.hypervisor.set_metadata(record.domain, record.to_dict(), state)
+    def put(self, record: SandboxRecord, state: str, uuid: str | None = None) -> None:
+        """Write the record and state (with ``uuid``: into that domain only, NOT_FOUND when
+        it is gone)."""
+        self.hypervisor.set_metadata(record.domain, record.to_dict(), state, uuid=uuid or None)
 
     def update(self, name: str, *, uuid: str | None = None, **changes: Any) -> Sandbox:
         """Write ``changes`` (record fields) into sandbox ``name``'s record (with ``uuid``: only
@@ -138,41 +147,76 @@ class SandboxStore:
         sandbox as it is then."""
         found = self.require(name, uuid)
         record = replace(found.record, **changes)
-        self.put(record, found.state)
+        self.put(record, found.state, found.uuid)
         return self.view(record, found.state, found.uuid)
 
-    def holder(self, secret: str) -> Sandbox | None:
-        """The sandbox whose recorded credential ``secret`` matches (credential.py, each record
-        compared in constant time); None when none does."""
+    def commit(
+        self,
+        found: Found,
+        change: Callable[[SandboxRecord], SandboxRecord],
+        state: str | None = None,
+    ) -> Found:
+        """Under the host lock the caller holds, for a call that looked ``found`` up and then
+        did slow work (a boot wait, a verification): ``change`` applied to the record the
+        sandbox has *now*, stored with ``state`` (default: the state it has now), only while
+        its domain still has ``found.uuid`` and no teardown has taken its hold over (a
+        compare-and-set: the domain of a later sandbox of that name is never written).
+        NOT_FOUND otherwise."""
+        stored = self.hypervisor.metadata(found.record.domain, uuid=found.uuid)
+        hold = Holds(self.config).get(found.uuid)
+        if stored is None or stored.data is None or (hold is not None and hold.being_removed):
+            raise NotFound(
+                f"sandbox {found.record.name!r} (id {found.uuid}) was removed while this call "
+                "worked on it",
+                details={"name": found.record.name, "uuid": found.uuid},
+            )
+        record = change(SandboxRecord.from_dict(stored.data))
+        now = state or stored.state
+        self.put(record, now, found.uuid)
+        return Found(record, now, found.uuid)
+
+    def holder(
+        self, secret: str, among: Callable[[Sandbox], bool] = lambda _sandbox: True
+    ) -> Sandbox | None:
+        """The sandbox of those ``among`` accepts whose recorded credential ``secret`` matches
+        (credential.py, each record compared in constant time); None when none does."""
         for f in self.found():
             if f.record.credential and credential.matches(secret, f.record.credential):
-                return self.view(f.record, f.state, f.uuid)
+                shown = self.view(f.record, f.state, f.uuid)
+                if among(shown):
+                    return shown
         return None
 
-    def with_address(self, record: SandboxRecord, state: str) -> SandboxRecord:
+    def with_address(self, record: SandboxRecord, state: str, uuid: str = "") -> SandboxRecord:
         """``record``, and for a libvirt-network guest whose address is not known yet the
-        address of its DHCP lease once there is one, learned once and kept in the record."""
+        address of its DHCP lease once there is one, learned once and kept in the record
+        (of the domain ``uuid``, when given)."""
         if record.ssh.port is None:
-            address = self.hypervisor.lease_address(record.domain)
+            address = self.hypervisor.lease_address(record.domain, uuid=uuid or None)
             if address is not None:
                 record = replace(record, ssh=replace(record.ssh, host=address, port=22))
-                self.put(record, state)
+                self.put(record, state, uuid)
         return record
 
     def view(self, record: SandboxRecord, state: str, uuid: str = "") -> Sandbox:
         """The sandbox as a caller sees it: its recorded state while its domain runs (or while
         it is being made, only defined, or started by a process that still lives), else
-        ``stopped``. When libvirtd cannot say whether it runs, the recorded state (a create
-        that committed must not turn into an error on its last read)."""
+        ``stopped``; ``started`` for one recorded ``starting`` whose starter is gone (after a
+        ``start --no-wait`` nobody waits for it). When libvirtd cannot say whether it runs, the
+        recorded state (a create that committed must not turn into an error on its last read).
+        With ``uuid``, the domain of that identity (a record read earlier is not shown with a
+        namesake's state)."""
         try:
-            running = self.hypervisor.running(record.domain)
+            running = self.hypervisor.running(record.domain, uuid=uuid or None)
         except Unavailable:  # libvirtd is away: show what the record says, decide nothing
             running = True
         starter = record.starter
         starting = state == STATE_STARTING and starter is not None and starter.alive()
         held = running or starting or state in (STATE_CREATING, STATE_DEFINED)
+        if running and state == STATE_STARTING and not starting:
+            state = STATE_STARTED  # its starter is gone: nobody is waiting for it any more
         files = SandboxFiles.of(self.config, record.stem)
-        sandbox = Sandbox.of(record, state if held else "stopped", files)
+        sandbox = Sandbox.of(record, state if held else STATE_STOPPED, files)
         sandbox.uuid = uuid
         sandbox.local = self.local(record)
         return sandbox

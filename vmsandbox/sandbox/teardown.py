@@ -27,7 +27,7 @@ from vmsandbox.errors import FailedPrecondition, NotFound, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.sandbox import custody
 from vmsandbox.sandbox.create import Remains
-from vmsandbox.sandbox.holds import Hold, Holds, own
+from vmsandbox.sandbox.holds import TEARDOWNS, Hold, Holds, own
 from vmsandbox.sandbox.record import SandboxFiles, SandboxRecord
 from vmsandbox.sandbox.store import Found, SandboxStore
 from vmsandbox.validate import validate_name
@@ -35,7 +35,6 @@ from vmsandbox.vm.process import Ownership
 
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
 _POLL_S = 0.2
-TEARDOWNS = ("destroy", "reconcile")  # what a hold's owner does when it takes a sandbox apart
 
 
 class _NotYet(Exception):
@@ -145,9 +144,19 @@ def _unclaimed(hold: Hold | None, found: Found | None) -> bool:
 
 
 def _hold_of(record: SandboxRecord | None, uuid: str) -> Hold:
-    """A hold for a sandbox made before holds existed (read from its record)."""
+    """A hold for a sandbox made before holds existed, read from its record with everything
+    it holds: once a hold names its UUID, the allocation counts its domain's GPUs and
+    partition from the hold alone, and they must not look free until the domain is gone."""
     assert record is not None
-    return Hold(uuid=uuid, name=record.name, stem=record.stem, port=record.ssh.port)
+    functions = [bdf for gpu in record.gpus for bdf in (gpu.bdf, *gpu.companions)]
+    return Hold(
+        uuid=uuid,
+        name=record.name,
+        stem=record.stem,
+        gpus=tuple(functions + list(record.switches)),
+        port=record.ssh.port,
+        partition=record.fabric_partition,
+    )
 
 
 def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
@@ -156,7 +165,9 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
     partition that could not be released keeps its lease (reconcile's fabric pass releases
     it); anything else left keeps the hold, for reconcile. FAILED_PRECONDITION naming what is
     left. ``fabric_too`` False leaves the partition to the caller (reconcile's fabric pass,
-    which releases every lease whose sandbox is gone)."""
+    which releases every lease whose sandbox is gone). The files of the name are removed only
+    while this teardown owns the hold of ``remains.uuid`` and no other hold reserves the name
+    (``_remove_files``)."""
     failures: list[str] = []
     hypervisor = remains.hypervisor
     _collect(lambda: hypervisor.stop(remains.domain, uuid=remains.uuid), failures)
@@ -168,7 +179,7 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
             for step in (
                 lambda: hypervisor.stop(remains.domain, uuid=remains.uuid),
                 lambda: hypervisor.undefine(remains.domain, uuid=remains.uuid),
-                remains.files.remove,
+                lambda: _remove_files(remains),
             ):
                 _collect(step, failures)
             hold = remains.mine() if not failures else None
@@ -184,6 +195,14 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
             f"sandbox {remains.name!r} was not removed completely: " + "; ".join(failures + fabric),
             details={"remaining": [str(path) for path in remains.files.existing()]},
         )
+
+
+def _remove_files(remains: Remains) -> None:
+    """Under the lock: the files of the name, while they are this teardown's (its hold by
+    UUID owned, the name reserved by no other hold: else they are another sandbox's)."""
+    if remains.mine() is None or remains.holds.others_named(remains.uuid, remains.files.name):
+        return
+    remains.files.remove()
 
 
 def _collect(step: Callable[[], object], failures: list[str]) -> None:

@@ -8,9 +8,14 @@ colours and cursor moves included; what is shown is stripped of those.
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from vmsandbox.errors import NotFound
 
 # Escape sequences of the guest console (colours, cursor moves): never echoed to a terminal.
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
@@ -48,6 +53,21 @@ NETWORK_ONLINE_RE = re.compile(
     r"|vmsandbox-boot: network is online at "
 )
 MULTI_USER_RE = re.compile(r"Reached target multi-user\.target\b")
+# Lines each boot of a guest prints once: SeaBIOS's banner, the kernel's (without "quiet"),
+# the project's initramfs. Seen RESTARTS_FATAL times, the guest is starting over in a loop
+# (a kernel that cannot fit its memory resets the machine at once, and libvirt restarts it).
+BOOT_START_RES = (
+    re.compile(r"SeaBIOS \(version "),
+    re.compile(r"Linux version \d"),
+    re.compile(r"vmsandbox-boot: initramfs started"),
+)
+RESTARTS_FATAL = 3
+# Any sign that a kernel has started: its banner or timestamps, the project's initramfs,
+# systemd, a login prompt. A console without one shows only firmware or a bootloader.
+KERNEL_SIGN_RE = re.compile(
+    r"Linux version \d|^\[\s*\d+\.\d+\]|vmsandbox-boot: |systemd|login: |Run /init",
+    re.MULTILINE,
+)
 # "vmsandbox-boot: <event> at <seconds>s": a stage of the boot, in the guest's own clock.
 BOOT_MARK_RE = re.compile(r"vmsandbox-boot: (?P<event>.+?) at (?P<at>\d+(?:\.\d+)?)s\b")
 
@@ -84,6 +104,63 @@ def tail(path: Path, lines: int) -> str:
     return "\n".join(clean(text).splitlines()[-lines:])
 
 
+def kernel_started(path: Path) -> bool:
+    """Whether the console log shows any sign of a kernel (KERNEL_SIGN_RE) in its last lines."""
+    return KERNEL_SIGN_RE.search(tail(path, 200)) is not None
+
+
+def read_lines(path: Path, lines: int | None = None) -> str:
+    """The whole console log, or its last ``lines`` lines, cleaned (read from the end: a long
+    log is never read whole for a few lines). NOT_FOUND when there is no log yet."""
+    try:
+        with path.open("rb") as handle:
+            if lines is None:
+                return clean(handle.read().decode(errors="replace"))
+            size = handle.seek(0, os.SEEK_END)
+            back = _TAIL_BYTES
+            while True:
+                handle.seek(max(0, size - back))
+                text = clean(handle.read().decode(errors="replace"))
+                if back >= size or text.count("\n") > lines:
+                    return "\n".join(text.splitlines()[-lines:]) if lines else ""
+                back *= 4
+    except FileNotFoundError as exc:
+        raise NotFound(f"no console log at {path} (the guest never started?)") from exc
+
+
+def follow(path: Path, lines: int | None = 10, poll: float = 0.2) -> Iterator[str]:
+    """The last ``lines`` lines of the console log, then every line the guest adds (cleaned),
+    as it comes; a log that starts over (the guest started again) is followed from its top.
+    Ends when the log is removed (the sandbox destroyed)."""
+    backlog = read_lines(path, lines)
+    yield from backlog.splitlines()
+    try:
+        offset = path.stat().st_size
+    except FileNotFoundError:
+        return
+    partial = ""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may split
+    while True:
+        try:
+            with path.open("rb") as handle:
+                if os.fstat(handle.fileno()).st_size < offset:
+                    offset, partial = 0, ""
+                    decoder.reset()
+                handle.seek(offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            if partial:
+                yield clean(partial)
+            return
+        offset += len(chunk)
+        pieces = (partial + decoder.decode(chunk)).split("\n")
+        partial = pieces.pop()
+        for piece in pieces:
+            yield clean(piece)
+        if not chunk:
+            time.sleep(poll)
+
+
 def stage(path: Path) -> str:
     """A short phrase for how far the guest has got, read from its console log."""
     text = tail(path, 80)
@@ -107,6 +184,7 @@ class ConsoleWatch:
         self.network_online_seen = False
         self.lean_boot_seen = False
         self.fatal: str | None = None
+        self.boots = [0] * len(BOOT_START_RES)  # how often each boot's line was seen
         self._offset = 0
         self._partial = ""
 
@@ -133,7 +211,14 @@ class ConsoleWatch:
             self.lean_boot_seen |= BOOT_MARK_RE.search(line) is not None
             if self.fatal is None and any(pattern.search(line) for pattern in FATAL):
                 self.fatal = line.strip()
+            for index, pattern in enumerate(BOOT_START_RES):
+                self.boots[index] += pattern.search(line) is not None
         return self.fatal
+
+    @property
+    def restarts(self) -> int:
+        """How many times the guest has started over since the log began (0: booted once)."""
+        return max(0, max(self.boots) - 1)
 
     @property
     def sshd_reachable(self) -> bool:

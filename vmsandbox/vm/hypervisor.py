@@ -1,8 +1,8 @@
 """The hypervisor seam: the few operations the manager needs, and their libvirt implementation.
 
-The manager talks to ``Hypervisor`` only, by domain name, so its logic is unit-tested against a
-fake (tests/framework/fake_hypervisor.py) while the end-to-end tests use the real libvirtd.
-libvirt's failures become our error codes here.
+The manager talks to ``Hypervisor`` only, by domain name and UUID, so its logic is unit-tested
+against a fake (tests/framework/fake_hypervisor.py) while the end-to-end tests use the real
+libvirtd. libvirt's failures become our error codes here.
 """
 
 from __future__ import annotations
@@ -98,28 +98,32 @@ class Hypervisor(Protocol):
     there is nothing to do. ``attach``/``detach`` take a device's XML (a GPU-ready pooled
     guest's hostdevs, gpu/hotplug.py).
 
-    ``stop`` and ``undefine`` given a ``uuid`` act on the domain with that UUID only (nothing
-    when there is none), whatever its name: an undo never reaches a domain another call made
-    under the same name. ``every_domain``, ``list`` and ``running`` fail closed: a libvirt error
-    raises (UNAVAILABLE when libvirtd is gone), never a shorter list or a guess; only a domain
-    that vanished while it was read is left out."""
+    Every method of one domain also takes a ``uuid``: given one, it acts on (or reads) the
+    domain with that UUID only, whatever its name, and finds nothing when there is none (as
+    for an absent name: NOT_FOUND, None, False or nothing to do). A call that acts on what it
+    looked up earlier passes the UUID it found, so it never reaches a domain another call made
+    since under the same name. ``every_domain``, ``list`` and ``running`` fail closed: a
+    libvirt error raises (UNAVAILABLE when libvirtd is gone), never a shorter list or a guess;
+    only a domain that vanished while it was read is left out."""
 
     def define(self, xml: str) -> None: ...
-    def start(self, domain: str) -> None: ...
+    def start(self, domain: str, uuid: str | None = None) -> None: ...
     def stop(self, domain: str, uuid: str | None = None) -> None: ...
-    def shutdown(self, domain: str) -> None: ...
+    def shutdown(self, domain: str, uuid: str | None = None) -> None: ...
     def undefine(self, domain: str, uuid: str | None = None) -> None: ...
-    def running(self, domain: str) -> bool: ...
-    def stop_reason(self, domain: str) -> str: ...
+    def running(self, domain: str, uuid: str | None = None) -> bool: ...
+    def stop_reason(self, domain: str, uuid: str | None = None) -> str: ...
     def every_domain(self) -> list[Stored]: ...
     def list(self, prefix: str) -> list[Stored]: ...
-    def metadata(self, domain: str) -> Stored | None: ...
-    def definition(self, domain: str) -> str: ...
-    def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None: ...
-    def lease_address(self, domain: str) -> str | None: ...
+    def metadata(self, domain: str, uuid: str | None = None) -> Stored | None: ...
+    def definition(self, domain: str, uuid: str | None = None) -> str: ...
+    def set_metadata(
+        self, domain: str, data: dict[str, Any], state: str, uuid: str | None = None
+    ) -> None: ...
+    def lease_address(self, domain: str, uuid: str | None = None) -> str | None: ...
     def hostdev_holders(self) -> dict[str, str]: ...
-    def attach(self, domain: str, xml: str) -> None: ...
-    def detach(self, domain: str, xml: str) -> None: ...
+    def attach(self, domain: str, xml: str, uuid: str | None = None) -> None: ...
+    def detach(self, domain: str, xml: str, uuid: str | None = None) -> None: ...
     def close(self) -> None: ...
 
 
@@ -153,9 +157,10 @@ class LibvirtHypervisor:
                 self._conn.close()
             self._conn = None
 
-    def _domain(self, domain: str) -> libvirt.virDomain:
+    def _domain(self, domain: str, uuid: str | None = None) -> libvirt.virDomain:
+        """The domain (by ``uuid`` when given); NOT_FOUND when there is none."""
         with libvirt_errors(f"looking up {_what(domain)}"):
-            return self.conn.lookupByName(domain)
+            return self._lookup(domain, uuid)
 
     def define(self, xml: str) -> None:
         name = etree.fromstring(xml.encode(), etree.XMLParser(resolve_entities=False)).findtext(
@@ -164,8 +169,8 @@ class LibvirtHypervisor:
         with libvirt_errors(f"defining {_what(name)}"):
             self.conn.defineXML(xml)
 
-    def start(self, domain: str) -> None:
-        dom = self._domain(domain)
+    def start(self, domain: str, uuid: str | None = None) -> None:
+        dom = self._domain(domain, uuid)
         with libvirt_errors(f"starting {_what(domain)}"):
             dom.create()
 
@@ -178,9 +183,9 @@ class LibvirtHypervisor:
     def stop(self, domain: str, uuid: str | None = None) -> None:
         self._unless_stopped(domain, "stopping", lambda dom: dom.destroy(), uuid)
 
-    def shutdown(self, domain: str) -> None:
+    def shutdown(self, domain: str, uuid: str | None = None) -> None:
         """Press the guest's power button (ACPI); it powers itself off, or ignores it."""
-        self._unless_stopped(domain, "shutting down", lambda dom: dom.shutdown())
+        self._unless_stopped(domain, "shutting down", lambda dom: dom.shutdown(), uuid)
 
     def _unless_stopped(
         self,
@@ -215,20 +220,20 @@ class LibvirtHypervisor:
             if exc.get_error_code() != libvirt.VIR_ERR_NO_DOMAIN:
                 raise translate(exc, f"removing {_what(domain)}") from exc
 
-    def running(self, domain: str) -> bool:
+    def running(self, domain: str, uuid: str | None = None) -> bool:
         """Whether the domain runs; False when there is none, an error when libvirt cannot
         say (a caller must never take "cannot tell" for "stopped")."""
         try:
-            active: int = self.conn.lookupByName(domain).isActive()
+            active: int = self._lookup(domain, uuid).isActive()
         except libvirt.libvirtError as exc:
             if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
                 return False
             raise translate(exc, f"reading the state of {_what(domain)}") from exc
         return active == 1
 
-    def stop_reason(self, domain: str) -> str:
+    def stop_reason(self, domain: str, uuid: str | None = None) -> str:
         try:
-            state, reason = self.conn.lookupByName(domain).state()
+            state, reason = self._lookup(domain, uuid).state()
         except libvirt.libvirtError as exc:
             return f"its state cannot be read: {exc.get_error_message()}"
         if state == libvirt.VIR_DOMAIN_CRASHED:
@@ -262,24 +267,26 @@ class LibvirtHypervisor:
                 raise translate(exc, f"reading {_what(name)} while listing domains") from exc
         return found
 
-    def metadata(self, domain: str) -> Stored | None:
+    def metadata(self, domain: str, uuid: str | None = None) -> Stored | None:
         try:
-            return _stored(self.conn.lookupByName(domain))
+            return _stored(self._lookup(domain, uuid))
         except libvirt.libvirtError as exc:
             if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
                 return None
             raise translate(exc, f"reading {_what(domain)}") from exc
 
-    def definition(self, domain: str) -> str:
+    def definition(self, domain: str, uuid: str | None = None) -> str:
         """The domain's persistent XML (what ``define`` was given, as libvirt keeps it)."""
-        dom = self._domain(domain)
+        dom = self._domain(domain, uuid)
         with libvirt_errors(f"reading the definition of {_what(domain)}"):
             return str(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
 
-    def set_metadata(self, domain: str, data: dict[str, Any], state: str) -> None:
+    def set_metadata(
+        self, domain: str, data: dict[str, Any], state: str, uuid: str | None = None
+    ) -> None:
         """Store the record and state; the title follows the record's name (a claimed pooled
         guest's domain keeps its own name)."""
-        dom = self._domain(domain)
+        dom = self._domain(domain, uuid)
         flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG | (
             libvirt.VIR_DOMAIN_AFFECT_LIVE if dom.isActive() else 0
         )
@@ -293,10 +300,10 @@ class LibvirtHypervisor:
             )
             dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_TITLE, str(data["name"]), None, None, flags)
 
-    def lease_address(self, domain: str) -> str | None:
+    def lease_address(self, domain: str, uuid: str | None = None) -> str | None:
         """The guest's IPv4 address from its network's DHCP leases, None while it has none."""
         try:
-            addrs = self.conn.lookupByName(domain).interfaceAddresses(
+            addrs = self._lookup(domain, uuid).interfaceAddresses(
                 libvirt.VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE
             )
         except libvirt.libvirtError:
@@ -313,19 +320,19 @@ class LibvirtHypervisor:
         with libvirt_errors("reading which domains hold PCI devices"):
             return libvirt_hostdev_holders(self.conn)
 
-    def attach(self, domain: str, xml: str) -> None:
+    def attach(self, domain: str, xml: str, uuid: str | None = None) -> None:
         """Add device ``xml`` to the running domain and to its definition (a stopped and
         restarted sandbox keeps it, as a cold-made one keeps its hostdevs)."""
-        dom = self._domain(domain)
+        dom = self._domain(domain, uuid)
         with libvirt_errors(f"attaching a device to {_what(domain)}"):
             dom.attachDeviceFlags(xml, _LIVE_AND_CONFIG)
 
-    def detach(self, domain: str, xml: str) -> None:
+    def detach(self, domain: str, xml: str, uuid: str | None = None) -> None:
         """Remove device ``xml`` from the running domain and its definition; libvirt gives a
         managed hostdev back to its host driver once the guest has let it go. Succeeds when
         the domain is gone or does not hold the device."""
         try:
-            self.conn.lookupByName(domain).detachDeviceFlags(xml, _LIVE_AND_CONFIG)
+            self._lookup(domain, uuid).detachDeviceFlags(xml, _LIVE_AND_CONFIG)
         except libvirt.libvirtError as exc:
             if exc.get_error_code() not in (
                 libvirt.VIR_ERR_NO_DOMAIN,

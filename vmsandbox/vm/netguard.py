@@ -1,5 +1,5 @@
 """Guests never reach this host's own addresses (its loopback services above all), in any
-network mode.
+network mode, nor, with outbound network, the networks the operator keeps from them.
 
 - **User networking** (the default): QEMU's ``restrict=on``: slirp drops every connection the
   guest opens; only the forwarded SSH port reaches the guest.
@@ -16,6 +16,14 @@ network mode.
   it); a host resolver on 127.0.0.x is unreachable too, so such guests need a DNS server
   elsewhere. ``ensure`` refuses (FAILED_PRECONDITION) where the rule cannot be made, and where
   a user cannot tell QEMU apart: QEMU running as root, or as the caller (``qemu:///session``).
+  The same user's new connections to the networks of ``guest_blocked_networks`` (by default
+  the private, shared, link-local and unique-local ranges: a fleet's Ray head and nodes, other
+  hosts' metrics endpoints, a remote Fabric Manager, a cloud's metadata service) are rejected
+  too (chain ``VMSANDBOX-GUEST-NETS``, jumped to from ``OUTPUT`` for that user's new
+  connections), except port 53 of the host's own resolvers (``/etc/resolv.conf``), to which
+  QEMU forwards the guest's DNS. Rules are only ever added: a network taken off the list stays
+  blocked until the chain is flushed (``iptables -F VMSANDBOX-GUEST-NETS``), so a change
+  never opens a gap while guests run.
 - **A libvirt network**: the guest reaches the host through the bridge's address only; the
   kernel never routes 127.0.0.0/8 from another interface unless ``route_localnet`` is on,
   which ``check_network`` refuses.
@@ -23,21 +31,25 @@ network mode.
 
 from __future__ import annotations
 
+import ipaddress
 import pwd
 import re
 import shutil
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition
 
 CHAIN = "VMSANDBOX-GUESTS"
+NETS_CHAIN = "VMSANDBOX-GUEST-NETS"
 QEMU_CONF = Path("/etc/libvirt/qemu.conf")
+RESOLV_CONF = Path("/etc/resolv.conf")
 # Who libvirt runs QEMU as when qemu.conf names no user: Debian's build, then upstream's.
 DEFAULT_QEMU_USERS = ("libvirt-qemu", "qemu")
 _USER_LINE = re.compile(r'^\s*user\s*=\s*"([^"]+)"', re.M)
-_TOOLS = ("iptables", "ip6tables")
+_TOOLS = {4: "iptables", 6: "ip6tables"}
 TOOL_TIMEOUT = 30.0
 
 
@@ -75,26 +87,63 @@ def qemu_uid(uri: str, conf: Path = QEMU_CONF) -> int:
     )
 
 
-def rules(uid: int) -> list[tuple[list[str], list[str]]]:
-    """(check, add) argument lists, for each tool, that make the rule (module docstring)."""
-    reject = [
-        *("-m", "owner", "--uid-owner", str(uid)),
-        *("-m", "conntrack", "--ctstate", "NEW"),
-        *("-m", "comment", "--comment", "vmsandbox: guests never reach this host"),
-        *("-j", "REJECT"),
-    ]
+def rules(
+    uid: int, version: int, blocked: Iterable[str] = (), resolv: Path = RESOLV_CONF
+) -> list[tuple[list[str], list[str]]]:
+    """(check, add) argument lists of the tool of IP ``version`` (4: iptables, 6: ip6tables)
+    that make the rules for QEMU's user ``uid`` (module docstring), in the order they are
+    made: the host's own addresses, then the ``blocked`` networks of that version with the
+    resolvers' port 53 let through ahead of them."""
+    guests = [*("-m", "owner", "--uid-owner", str(uid)), *("-m", "conntrack", "--ctstate", "NEW")]
+    reject = [*guests, *("-m", "comment", "--comment", "vmsandbox: guests never reach this host")]
+    reject += ["-j", "REJECT"]
     jump = ["-o", "lo", "-j", CHAIN]
-    return [
+    made = [
         (["-C", CHAIN, *reject], ["-A", CHAIN, *reject]),
         (["-C", "OUTPUT", *jump], ["-I", "OUTPUT", "1", *jump]),
     ]
+    networks = [net for net in blocked if ipaddress.ip_network(net).version == version]
+    if not networks:
+        return made
+    comment = ["-m", "comment", "--comment", "vmsandbox: guests never reach these networks"]
+    for address in resolvers(resolv, version):
+        for protocol in ("udp", "tcp"):
+            dns = ["-d", address, "-p", protocol, "--dport", "53", *comment, "-j", "RETURN"]
+            made.append((["-C", NETS_CHAIN, *dns], ["-I", NETS_CHAIN, "1", *dns]))
+    for net in networks:
+        rule = ["-d", net, *comment, "-j", "REJECT"]
+        made.append((["-C", NETS_CHAIN, *rule], ["-A", NETS_CHAIN, *rule]))
+    into = [*guests, "-j", NETS_CHAIN]
+    made.append((["-C", "OUTPUT", *into], ["-I", "OUTPUT", "1", *into]))
+    return made
 
 
-def ensure(uri: str) -> None:
-    """Put the rule for QEMU's user under ``uri`` in place (idempotent); FAILED_PRECONDITION,
-    with the tool's words, where it cannot be."""
+def resolvers(path: Path = RESOLV_CONF, version: int = 4) -> list[str]:
+    """The host's name servers of IP ``version`` (``nameserver`` lines), as /32 or /128."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    found: list[str] = []
+    for line in lines:
+        words = line.split()
+        if len(words) < 2 or words[0] != "nameserver":
+            continue
+        try:
+            address = ipaddress.ip_address(words[1].split("%", 1)[0])
+        except ValueError:
+            continue
+        if address.version == version and not address.is_loopback:
+            found.append(f"{address}/{address.max_prefixlen}")
+    return sorted(set(found))
+
+
+def ensure(uri: str, blocked: Iterable[str] = ()) -> None:
+    """Put the rules for QEMU's user under ``uri`` in place (idempotent), the ``blocked``
+    networks among them; FAILED_PRECONDITION, with the tool's words, where they cannot be."""
     uid = qemu_uid(uri)
-    for tool in _TOOLS:
+    blocked = tuple(blocked)
+    for version, tool in _TOOLS.items():
         binary = shutil.which(tool)
         if binary is None:
             raise FailedPrecondition(
@@ -102,8 +151,9 @@ def ensure(uri: str) -> None:
                 "is not installed (apt-get install iptables), or leave guest_outbound off",
                 details={"field": "guest_outbound", "tool": tool},
             )
-        _run(binary, ["-N", CHAIN], allowed=(0, 1))  # 1: the chain exists
-        for check, add in rules(uid):
+        for chain in (CHAIN, NETS_CHAIN):
+            _run(binary, ["-N", chain], allowed=(0, 1))  # 1: the chain exists
+        for check, add in rules(uid, version, blocked):
             if _run(binary, check, allowed=(0, 1)) != 0:
                 _run(binary, add, allowed=(0,))
 
@@ -167,6 +217,6 @@ def before_start(config: Config) -> None:
     """What must hold before a guest of ``config``'s network mode starts (module docstring)."""
     if config.network == "user":
         if config.guest_outbound:
-            ensure(config.uri)
+            ensure(config.uri, config.guest_blocked_networks)
         return
     check_network(bridge_of(config.uri, config.network))

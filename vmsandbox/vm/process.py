@@ -17,10 +17,12 @@ to tell, the first where there is one:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
 import secrets
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,31 @@ def process_owner(folder: Path) -> ProcessIdentity:
 
 
 os.register_at_fork(after_in_child=_PROCESS_OWNERS.clear)  # a child is another process
+
+
+@atexit.register
+def _end_process_owners() -> None:
+    """A process that ends gives its owner files up: none is left behind in ``owners/`` for
+    every ``vmsandbox start`` that ever ran (one killed is swept by ``sweep_owner_files``)."""
+    for owner in _PROCESS_OWNERS.values():
+        owner.end()
+
+
+# An owner file younger than this is never swept: between its creation and its ``flock`` it
+# is unlocked, and must not be taken for a dead owner's.
+SWEEP_AGE_S = 60.0
+
+
+def sweep_owner_files(folder: Path) -> None:
+    """Remove the owner files in ``folder`` that nobody keeps locked any more (their owners
+    were killed before they could give them up); a record naming one reads its owner as gone
+    either way."""
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > SWEEP_AGE_S:
+                owner_alive(path)  # removes a file that nobody locks
 
 
 def owner_alive(path: Path) -> bool:

@@ -30,11 +30,11 @@ def test_unknown_keys_and_bad_values_name_the_key(tmp_path: Path):
     with pytest.raises(InvalidArgument, match="unknown config key 'max_cpu'"):
         Config.load(file)
     file.write_text('max_cpus = "many"\n')
-    with pytest.raises(InvalidArgument, match="'max_cpus' has a bad value 'many'"):
+    with pytest.raises(InvalidArgument, match=r"'max_cpus' .* has the value 'many'"):
         Config.load(file)
-    with pytest.raises(InvalidArgument, match="virt_type 'xen'"):
+    with pytest.raises(InvalidArgument, match=r"'virt_type' .* 'xen'; allowed: one of auto, kvm"):
         Config.load("/nonexistent", virt_type="xen")
-    with pytest.raises(InvalidArgument, match="gpu_firmware 'efi' is not one of auto, uefi, bios"):
+    with pytest.raises(InvalidArgument, match="'efi'; allowed: one of auto, uefi, bios"):
         Config.load("/nonexistent", gpu_firmware="efi")
 
 

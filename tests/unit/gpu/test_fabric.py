@@ -445,7 +445,7 @@ def test_lease_ledger_follows_activation(fm: Path, tmp_path: Path) -> None:
     with pytest.raises(FailedPrecondition, match=re.escape("NVIDIA driver 470.1, but")):
         lease.activate(2, "uuid-old", "old", image="old", image_driver="470.1")
     assert lease.leases() == train and "-a 2" not in (fm / "calls.log").read_text()
-    assert lease.reconcile({"uuid-train"}) == [] and lease.leases() == train
+    assert lease.orphans({"uuid-train"}) == [] and lease.leases() == train
     lease.release("uuid-train")
     assert lease.leases() == [] and fmpm().list().active() == ()
 
@@ -481,5 +481,6 @@ def test_leases_written_before_uuids_are_matched_by_name(fm: Path, tmp_path: Pat
     lease.activate(1, "uuid-train", "train", image="nvidia", image_driver=DRIVER)
     (config.state_dir / "fabric" / "1.json").write_text(json.dumps({"sandbox": "train"}))
     assert lease.leases() == [Lease(1, "", "train")]
-    assert lease.reconcile(set(), {"train"}) == [] and len(lease.leases()) == 1
-    assert lease.reconcile(set(), set()) == [] and lease.leases() == []
+    assert lease.orphans(set(), {"train"}) == [] and len(lease.leases()) == 1
+    assert lease.orphans(set(), set()) == [1]
+    assert lease.release_orphans([1]) == [] and lease.leases() == []

@@ -12,7 +12,7 @@ from framework.seeds import read_iso
 from vmsandbox.errors import InvalidArgument
 from vmsandbox.guest.keys import generate
 from vmsandbox.guest.seed import network_config, write_seed
-from vmsandbox.guest.setup import ENVIRONMENT_FILE, MAIN_UNIT, GuestFile, GuestSetup
+from vmsandbox.guest.setup import ENVIRONMENT_FILE, MAIN_UNIT, GuestFile, GuestSetup, exec_line
 
 
 def _files(config: dict) -> dict[str, dict]:
@@ -92,3 +92,13 @@ def test_secret_file_travels_only_in_the_0600_seed(tmp_path: Path):
     token = _files(user_data)["/etc/openshell/token"]
     assert (token["content"], token["permissions"], token["owner"]) == (secret, "0600", "root:root")
     assert [p.name for p in tmp_path.iterdir()] == ["seed.iso"]
+
+
+@pytest.mark.parametrize("word", ["true\nUser=root", "a\rb", "x\x00y"])
+def test_a_main_command_word_with_a_line_break_is_refused(word: str):
+    """A unit file is read line by line: a line break in ExecStart's words would add
+    directives of the caller's choosing."""
+    with pytest.raises(InvalidArgument, match="command"):
+        GuestSetup(main=("sh", "-c", word))
+    with pytest.raises(InvalidArgument, match="command"):
+        exec_line(["sh", "-c", word])

@@ -15,7 +15,7 @@ from framework.disks import raw_disk
 from framework.sandboxes import cli
 
 from vmsandbox.config import Config
-from vmsandbox.errors import InvalidArgument
+from vmsandbox.errors import AlreadyExists, InvalidArgument
 from vmsandbox.image.store import ImageStore
 
 
@@ -135,3 +135,68 @@ def test_a_bootable_disk_is_imported(tmp_path: Path, make: Callable[[Path], Path
     assert image.disk.is_file()
     assert image.meta["kind"] == "import"
     assert image.virtual_size > 0
+
+
+def blank_qcow2(path: Path) -> Path:
+    """``qemu-img create`` and nothing more: no sector written."""
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(path), "64M"], check=True)
+    return path
+
+
+def test_a_blank_qcow2_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    store = ImageStore(tmp_path / "images")
+    with pytest.raises(InvalidArgument, match="it is a blank qcow2") as caught:
+        store.import_image(blank_qcow2(tmp_path / "blank.qcow2"), "blank", max_disk_gib=1)
+    assert caught.value.details["found"] == "blank qcow2"
+    assert files_under(store.root) == []
+
+
+def recipe_build(store: ImageStore, name: str = "minimal") -> str:
+    """A build of recipe ``name`` in ``store`` (as ``images build`` leaves one), current."""
+    build = store.root / name / "0123456789abcdef"
+    build.mkdir(parents=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(build / "disk.qcow2"), "8M"])
+    (build / "meta.json").write_text(f'{{"kind": "recipe", "name": "{name}"}}')
+    (build.parent / "current").symlink_to(build.name)
+    return build.name
+
+
+def test_an_import_never_replaces_a_recipes_image_unasked(tmp_path: Path) -> None:
+    """Issue 42, point 1: ``images import PATH minimal`` used to move ``current`` off the
+    recipe's build without a word; now ALREADY_EXISTS, and ``replace`` says what it replaced."""
+    store = ImageStore(tmp_path / "images")
+    recipe = recipe_build(store)
+    source = raw_disk(tmp_path / "disk.raw")
+    with pytest.raises(AlreadyExists, match="built from recipe 'minimal'") as caught:
+        store.import_image(source, "minimal", max_disk_gib=1)
+    assert "--replace" in caught.value.message
+    assert store.get("minimal").id == recipe
+    image = store.import_image(source, "minimal", max_disk_gib=1, replace=True)
+    assert store.get("minimal").id == image.id != recipe
+    assert image.replaced is not None and image.replaced.id == recipe
+    assert image.to_dict()["replaced"]["kind"] == "recipe"
+    assert (store.root / "minimal" / recipe).is_dir()  # kept for the sandboxes made from it
+
+
+def test_an_import_never_replaces_another_import_or_shadows_a_recipe(tmp_path: Path) -> None:
+    store = ImageStore(tmp_path / "images")
+    first = store.import_image(raw_disk(tmp_path / "a.raw"), "mine", max_disk_gib=1)
+    other = raw_disk(tmp_path / "b.raw", size=8 << 20)
+    with pytest.raises(AlreadyExists, match=f"{first.id} is imported from .*a.raw"):
+        store.import_image(other, "mine", max_disk_gib=1)
+    assert store.import_image(tmp_path / "a.raw", "mine", max_disk_gib=1).id == first.id
+    with pytest.raises(AlreadyExists, match="the name of recipe 'nvidia'"):
+        store.import_image(other, "nvidia", max_disk_gib=1)
+
+
+def test_the_cli_import_says_what_it_replaced(config: Config, tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    recipe = recipe_build(ImageStore(images))
+    source = str(raw_disk(tmp_path / "disk.raw"))
+    own = replace(config, image_dir=images)
+    done = cli("images", "import", source, "minimal", config=own)
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.splitlines()[-1].startswith("error: ALREADY_EXISTS: image 'minimal' exists")
+    done = cli("images", "import", source, "minimal", "--replace", config=own)
+    assert done.returncode == 0, done.stderr
+    assert f"replaced minimal {recipe} (built from recipe 'minimal')" in done.stdout

@@ -14,7 +14,14 @@ from vmsandbox.openshell.admission import AdmissionPolicy
 from vmsandbox.openshell.identity import INCARNATION_LABEL
 from vmsandbox.openshell.launch import OPENSHELL_MAIN_UNIT, Workload
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
-from vmsandbox.openshell.request import ID_LABEL, TOKEN_PATH, sandbox_name, translate
+from vmsandbox.openshell.request import (
+    ID_LABEL,
+    REQUEST_LABEL,
+    TOKEN_PATH,
+    request_digest,
+    sandbox_name,
+    translate,
+)
 
 IMAGES = {"minimal": "minimal-1a2b", "nvidia": "nvidia-3c4d"}
 ALLOWED = AdmissionPolicy(allow_driver_config=True)
@@ -89,8 +96,10 @@ def test_spec_resources_labels_and_environment():
         "openshell.namespace": "ns",
         "openshell.workspace": "ws",
         "openshell.image-id": "nvidia-3c4d",
+        REQUEST_LABEL: request_digest(sandbox),
         **Workload("sandbox", "", "image", (OPENSHELL_MAIN_UNIT,), ()).labels(),
     }
+    assert "secret.jwt.value" not in str(spec.labels)
     assert spec.guest is not None
     assert spec.guest.environment == {
         "A": "template",
@@ -159,3 +168,24 @@ def test_bad_environment_and_resources_name_their_field():
     with pytest.raises(InvalidArgument) as caught:
         translate(_sandbox(template=bad_cpu), IMAGES)
     assert caught.value.details["field"] == "template.resources.cpu_request"
+
+
+@pytest.mark.parametrize("word", ["true\nUser=root", "a\rb", "x\x00y", "\x0bz"])
+def test_a_command_word_with_a_line_break_never_reaches_the_unit(word: str):
+    """The main unit is written line by line: a word with a newline would end ExecStart and
+    let the request write directives of its own (User=root overriding the workload
+    identity)."""
+    with pytest.raises(InvalidArgument, match="command") as caught:
+        translate(_sandbox(command=["sh", "-c", word]), IMAGES)
+    assert caught.value.details["field"] == "command"
+
+
+def test_a_derived_name_and_the_request_digest_belong_to_the_calling_gateway():
+    """Two gateways' sandboxes with the same id and no usable name get different names; the
+    digest that tells a create sent again from a different one leaves the secrets out."""
+    assert sandbox_name("", "same", "uid:0") != sandbox_name("", "same", "uid:65534")
+    assert sandbox_name("web", "same", "uid:0") == "web"
+    first, again = _sandbox(sandbox_token="token.one"), _sandbox(sandbox_token="token.two")
+    again.spec.launch_authentication = b"{}"
+    assert request_digest(first) == request_digest(again)
+    assert request_digest(first) != request_digest(_sandbox(command=["true"]))

@@ -223,3 +223,35 @@ def test_a_fatal_line_is_still_seen_after_another_reader_polled(tmp_path: Path) 
     assert not watch.sshd_reported()
     with pytest.raises(FailedPrecondition, match="No bootable device"):
         watch.check()
+
+
+RESET = (
+    "SeaBIOS (version 1.16.2-debian-1.16.2-1)\r\nMachine UUID 1458cc23\r\nBooting from ROM...\r\n"
+)
+
+
+def test_a_guest_that_starts_over_in_a_loop_fails_the_wait(tmp_path: Path) -> None:
+    """``--memory 32M``: the kernel cannot fit and the machine resets at once, again and again;
+    the create used to wait out its whole timeout (issue 42, point 6)."""
+    watch, log = _watch(tmp_path, running=True)
+    log.write_text(RESET * 3)
+    assert watch.check()  # started over twice: may still be a guest's own reboot
+    log.write_text(RESET * 4)
+    with pytest.raises(FailedPrecondition, match="started over 3 times before SSH came up") as c:
+        watch.check()
+    assert "its kernel may not fit in its memory" in c.value.message
+    assert c.value.details["restarts"] == 3
+
+
+def test_a_timeout_in_the_firmware_does_not_blame_the_image(tmp_path: Path) -> None:
+    """A guest still in its firmware at the timeout used to be told that "the image may lack
+    both cloud-init and the first-boot unit"."""
+    watch, log = _watch(tmp_path, running=True)
+    for text in ("", RESET):
+        log.write_text(text)
+        error = watch.timed_out(DeadlineExceeded("guest did not accept SSH within 5s"))
+        assert boot.NO_SEED_READER not in error.message
+        assert "still in its firmware or bootloader" in error.message
+    log.write_text(RESET + "vmsandbox-boot: initramfs started at 0.91s\r\n")
+    error = watch.timed_out(DeadlineExceeded("guest did not accept SSH within 5s"))
+    assert boot.NO_SEED_READER in error.message

@@ -53,7 +53,7 @@ def tree(tmp_path: Path, board: Inventory) -> Path:
 
 @pytest.fixture
 def config(tmp_path: Path, tree: Path) -> Config:
-    return unit_config(tmp_path, pci_sysfs=tree, gpu_xid_interval=3600.0)
+    return unit_config(tmp_path, pci_sysfs=tree)
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def monitor(
     manager: SandboxManager, kmsg: Path, paused: dict[str, str] | None = None
 ) -> health.Monitor:
     log = KernelLog(manager.config.state_dir / "cursor", str(kmsg))
-    found = health.Monitor(manager, paused=lambda: paused or {}, kernel_log=log)
+    found = health.Monitor(manager, paused=lambda: paused or {}, kernel_log=log, xid_interval=3600)
     assert found.look() == []  # the first pass sets the log's cursor
     return found
 

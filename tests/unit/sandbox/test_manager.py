@@ -526,7 +526,7 @@ def test_start_of_a_running_or_creating_sandbox(
 ) -> None:
     manager.create(spec(), wait=False)
     hv.calls.clear()
-    assert manager.start("unit").state == "started"  # running: returned as it is
+    assert manager.start("unit", wait=False).state == "started"  # running: returned as it is
     assert ("start", "vmsbx-unit") not in hv.calls
     hv.domains["vmsbx-unit"].state = "creating"
     hv.domains["vmsbx-unit"].running = False
@@ -567,3 +567,23 @@ def test_a_version_2_record_reads_without_failure_or_starter(
     }
     record = SandboxRecord.from_dict({**old, "version": 2})
     assert (record.failure, record.starter, record.version) == (None, None, SCHEMA_VERSION)
+
+
+def test_a_failed_cold_create_keeps_its_console_log_and_says_where(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    """The undos remove the sandbox's files; its console log, what the user needs to see why
+    it failed, is kept in <state_dir>/failed/ and the error names it (issue 42, point 9)."""
+    log = SandboxFiles.of(config, "unit").console_log
+
+    def panics(_domain: str) -> None:
+        log.write_text("Kernel panic - not syncing: VFS: Unable to mount root fs\r\n")
+
+    hv.before["start"] = panics
+    with pytest.raises(FailedPrecondition, match="cannot boot") as caught:
+        manager.create(spec(), timeout=30)
+    kept = Path(caught.value.details["console_log"])
+    assert f"(the guest's console log is kept at {kept})" in caught.value.message
+    assert kept.parent == config.state_dir / "failed" and kept.name.startswith("unit-")
+    assert "Kernel panic" in kept.read_text() and kept.stat().st_mode & 0o777 == 0o600
+    assert left(config, hv) == []

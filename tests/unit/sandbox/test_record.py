@@ -91,7 +91,7 @@ def test_a_version_3_record_reads_unclaimed_and_a_claim_round_trips() -> None:
     claimed = SandboxRecord.from_dict({**old.to_dict(), "guest": "pool-1234abcd"})
     assert (claimed.stem, claimed.domain) == ("pool-1234abcd", "vmsbx-pool-1234abcd")
     assert SandboxRecord.from_dict(claimed.to_dict()) == claimed
-    assert claimed.to_dict()["version"] == SCHEMA_VERSION == 7
+    assert claimed.to_dict()["version"] == SCHEMA_VERSION
 
 
 def test_a_version_4_record_reads_without_a_credential_and_version_5_keeps_its_digest() -> None:
@@ -120,3 +120,31 @@ def test_a_version_6_record_has_no_generation_and_a_restarted_one_round_trips() 
     restarted = replace(old, generation="gen-2")
     assert SandboxRecord.from_dict(restarted.to_dict()) == restarted
     assert restarted.to_dict()["version"] == SCHEMA_VERSION
+
+
+def test_a_version_7_record_has_no_owner_and_an_owned_one_round_trips() -> None:
+    """Version 8 adds ``owner``, the gateway that asked through the OpenShell driver; a
+    version 7 record reads with none (the driver reads its owner from its labels)."""
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 7, "generation": "gen-1"})
+    assert old.owner is None and old.to_dict()["owner"] is None
+    owned = replace(old, owner="uid:1001/gw-a")
+    assert SandboxRecord.from_dict(owned.to_dict()) == owned
+    assert owned.to_dict()["version"] == SCHEMA_VERSION
+
+
+def test_a_version_8_record_has_no_boot_seconds_and_a_booted_one_keeps_them() -> None:
+    """Version 9 adds ``boot_seconds``: ``show`` says how long the last boot took, as create
+    did."""
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 8, "generation": None})
+    assert old.boot_seconds is None and old.to_dict()["boot_seconds"] is None
+    booted = replace(old, boot_seconds=12.5)
+    assert SandboxRecord.from_dict(booted.to_dict()) == booted
+
+
+def test_a_version_9_record_has_no_lifetime_and_an_expiry_round_trips() -> None:
+    """Version 10 adds ``expires_at``, the end of a sandbox's lifetime (``create --ttl``)."""
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 9, "generation": None})
+    assert old.expires_at is None and old.to_dict()["expires_at"] is None
+    mortal = replace(old, expires_at="2026-11-01T12:00:00Z")
+    assert SandboxRecord.from_dict(mortal.to_dict()) == mortal
+    assert mortal.to_dict()["version"] == SCHEMA_VERSION == 10

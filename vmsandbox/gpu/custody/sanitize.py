@@ -51,6 +51,8 @@ STEPS = ("fabric", "unbind", "reset", "alive", "memory-clear", "scrub", "rebind"
 NVIDIA = "0x10de"
 VFIO = "vfio-pci"
 SKIPPED = "skipped"
+RESET_TIMEOUT_S = 30.0  # for a reset, and again for the GPU to answer after it
+SCRUB_TIMEOUT_S = 600.0  # for the scrub hook (a GPU of 192 GiB zeroed through its BAR)
 
 
 class NotYet(Exception):
@@ -115,6 +117,8 @@ class Host:
     run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run
     partition_active: Callable[[int], bool] = lambda _partition: False
     clock: Callable[[], float] = time.monotonic
+    reset_timeout: float = RESET_TIMEOUT_S
+    scrub_timeout: float = SCRUB_TIMEOUT_S
 
 
 def sanitize(bdf: str, partition: int | None, config: Config, host: Host) -> Outcome:
@@ -134,8 +138,8 @@ def sanitize(bdf: str, partition: int | None, config: Config, host: Host) -> Out
     driver = _driver(target.bdf, host.sysfs)
     steps: list[tuple[str, Callable[[], str | None]]] = [
         ("unbind", lambda: _unbind(target.bdf, driver, host.sysfs)),
-        ("reset", lambda: _reset(target.bdf, config, host.sysfs)),
-        ("alive", lambda: _alive(target.bdf, config, host.sysfs)),
+        ("reset", lambda: _reset(target.bdf, config, host)),
+        ("alive", lambda: _alive(target.bdf, host)),
         ("memory-clear", lambda: _memory_clear(target, config, host.sysfs)),
         ("scrub", lambda: _scrub(target, config, host)),
     ]
@@ -185,22 +189,22 @@ def _rebind(bdf: str, sysfs: str) -> None:
         _write(os.path.join(os.path.dirname(sysfs.rstrip("/")), "drivers_probe"), bdf)
 
 
-def _reset(bdf: str, config: Config, sysfs: str) -> str | None:
-    method = pcireset.choose(pcireset.methods_of(bdf, sysfs))
+def _reset(bdf: str, config: Config, host: Host) -> str | None:
+    method = pcireset.choose(pcireset.methods_of(bdf, host.sysfs))
     if method is None:
         if config.require_gpu_reset:
             raise StepFailed("the kernel has no SBR or FLR for it")
         return "no reset method (require_gpu_reset is off)"
     try:
-        pcireset.reset(bdf, method, config.gpu_reset_timeout, sysfs)
+        pcireset.reset(bdf, method, host.reset_timeout, host.sysfs)
     except pcireset.ResetFailed as exc:
         raise StepFailed(str(exc)) from exc
     return method
 
 
-def _alive(bdf: str, config: Config, sysfs: str) -> str | None:
+def _alive(bdf: str, host: Host) -> str | None:
     try:
-        pcistate.wait_answering(bdf, config.gpu_reset_timeout, sysfs)
+        pcistate.wait_answering(bdf, host.reset_timeout, host.sysfs)
     except pcistate.DeviceGone as exc:
         raise StepFailed(str(exc)) from exc
     return None
@@ -242,14 +246,12 @@ def _scrub(target: Target, config: Config, host: Host) -> str | None:
             [config.gpu_scrub_hook, target.bdf],
             capture_output=True,
             text=True,
-            timeout=config.gpu_scrub_timeout,
+            timeout=host.scrub_timeout,
             env=env,
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        raise StepFailed(
-            f"the scrub hook did not end within {config.gpu_scrub_timeout:.0f} s"
-        ) from exc
+        raise StepFailed(f"the scrub hook did not end within {host.scrub_timeout:.0f} s") from exc
     except OSError as exc:
         raise StepFailed(f"the scrub hook cannot run: {exc.strerror or exc}") from exc
     if done.returncode != 0:

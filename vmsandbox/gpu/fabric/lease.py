@@ -9,8 +9,12 @@ at any point leaves either nothing or an entry. It is removed only when the part
 inactive: after a deactivation, or when FM refused the activation; an fmpm that timed out or
 could not be reached may have activated it, so the entry stays and the release (or reconcile)
 deactivates it. Reconcile deactivates every entry whose UUID belongs to no domain and to no
-reservation in flight (``vmsandbox.sandbox.holds``). The domain's record carries the partition
-id too (``fabric_partition``), for the user to see.
+reservation in flight (``vmsandbox.sandbox.holds``), deciding which from the ledger and the
+reservations read in one hold of the host lock (``orphans``): a create writes its reservation
+before its lease, so a lease that the reservations do not explain is never one written since.
+An entry counts as taken for the allocation until it is removed (``vmsandbox.sandbox.reserve``),
+so the partition of an orphan is not handed to a new sandbox while reconcile deactivates it.
+The domain's record carries the partition id too (``fabric_partition``), for the user to see.
 
 The version rule is checked before anything is activated: in shared NVSwitch mode the image's
 NVIDIA driver must be Fabric Manager's release (``vmsandbox.gpu.fabric.version``).
@@ -98,21 +102,27 @@ class FabricLease:
         has none. UNAVAILABLE when FM cannot be reached: the entries stay, for reconcile."""
         self._release(lease.partition for lease in self.leases() if _names(lease, uuid, sandbox))
 
-    def reconcile(self, live: Iterable[str], live_names: Iterable[str] = ()) -> list[str]:
-        """Release every lease whose UUID is not in ``live`` (the UUIDs of every domain and
-        every reservation in flight; entries from before UUIDs: whose name is not in
-        ``live_names``); return the problems (FM unreachable is one, not an error: the
-        leases stay for next time)."""
+    def orphans(self, live: Iterable[str], live_names: Iterable[str] = ()) -> list[int]:
+        """The partitions of leases whose UUID is not in ``live`` (the UUIDs of every domain
+        and every reservation; entries from before UUIDs: whose name is not in
+        ``live_names``). ``live`` must be read in the same hold of the host lock as this (see
+        the module docstring)."""
         alive, named = set(live), set(live_names)
-        orphans = [
+        return [
             lease.partition
             for lease in self.leases()
             if (lease.uuid not in alive if lease.uuid else lease.sandbox not in named)
         ]
+
+    def release_orphans(self, orphans: Iterable[int]) -> list[str]:
+        """Deactivate and forget the partitions ``orphans`` decided (outside the host lock:
+        fmpm is slow); the problems (FM unreachable is one, not an error: the leases stay
+        for next time)."""
+        wanted = sorted(set(orphans))
         try:
-            self._release(orphans)
+            self._release(wanted)
         except VmSandboxError as exc:
-            return [f"fabric partitions {sorted(orphans)}: {exc.message}"]
+            return [f"fabric partitions {wanted}: {exc.message}"]
         return []
 
     def leases(self) -> list[Lease]:

@@ -41,7 +41,7 @@ def attach(c: create.Creation) -> None:
     assert record is not None and record.hotplug is not None  # the claim took a GPU-ready one
     for gpu, bus, xml in _hostdevs(record, record.hotplug):
         c.progress(f"attaching GPU {gpu.bdf} to the guest's spare port (bus {bus})")
-        c.hypervisor.attach(c.domain, xml)
+        c.hypervisor.attach(c.domain, xml, uuid=c.uuid)
 
 
 def _hostdevs(record: SandboxRecord, ports: HotplugRecord) -> Iterator[tuple[GpuRecord, int, str]]:

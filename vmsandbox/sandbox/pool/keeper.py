@@ -132,11 +132,10 @@ class WarmPool:
         try:
             runner.run(steps, creation, m.locked, timing)
         except NoPooledGuest:
-            say(f"no pooled guest of shape {shape.key!r} is ready; booting one")
+            say(f"no pooled guest of shape {shape.key!r} is ready: creating {name} cold")
             return None
         assert creation.record is not None  # made by the claim step
         sandbox = m.store.view(creation.record, creation.state, creation.uuid)
-        sandbox.boot_seconds = creation.boot_seconds
         sandbox.stage_seconds = timing.seconds
         say(f"sandbox {name} is {creation.state} (pooled guest {creation.files.name})")
         return sandbox
@@ -171,6 +170,13 @@ class WarmPool:
                 env={**os.environ, **env},
             )
 
+    def refill_if_short(self) -> None:
+        """``refill_in_background`` when a shape has fewer guests than its count (ready,
+        booting or reserved): after a ``--no-refill`` claim or a burst of claims, any later
+        create starts the refill."""
+        if self.config.pool and not filling(self.config) and self._room_left():
+            self.refill_in_background()
+
     def show(self) -> list[dict[str, Any]]:
         """Each ``[pool]`` shape with its wanted count and its guests (name, state)."""
         guests = self.guests()
@@ -185,6 +191,16 @@ class WarmPool:
                 }
             )
         return shown
+
+    def unshaped(self) -> list[dict[str, Any]]:
+        """This state directory's unclaimed pooled guests that fit no ``[pool]`` shape (the
+        configuration changed since they were booted): they still run and hold their memory
+        until ``drain`` removes them."""
+        return [
+            {"name": r.name, "state": state, "image": r.image, "memory_mib": r.memory_mib}
+            for r, state, _uuid in self.guests()
+            if not any(holds(shape, r) for shape in self.config.pool)
+        ]
 
     def guests(self) -> list[tuple[SandboxRecord, str, str]]:
         """This state directory's unclaimed pooled guests: record, state, domain UUID."""

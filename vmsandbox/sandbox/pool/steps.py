@@ -29,7 +29,7 @@ from vmsandbox.errors import FailedPrecondition
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.guest import control, ssh
 from vmsandbox.guest.ssh import Endpoint
-from vmsandbox.sandbox import create, reserve
+from vmsandbox.sandbox import create, expiry, reserve
 from vmsandbox.sandbox.holds import Hold, settled
 from vmsandbox.sandbox.pool import gpu_steps
 from vmsandbox.sandbox.pool.shapes import NoPooledGuest, holds
@@ -47,6 +47,7 @@ def _settle(c: create.Creation) -> None:
         return
     assert c.record is not None and c.endpoint is not None  # made by define and wait
     keys = c.files.keys(c.record.host_key_alias)
+    c.progress(f"pooled guest {c.name} answers SSH; waiting for the rest of its boot")
     # As root first: the user's systemctl needs the system bus, which the project's images
     # start after sshd (it fails at once while the bus is not up); root's talks to systemd.
     wait = "systemctl is-system-running --wait"
@@ -59,7 +60,7 @@ def _pooled(c: create.Creation) -> None:
     assert c.record is not None  # made by the define step
     hold = c.own()
     c.state = STATE_POOLED
-    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state)
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state, uuid=c.uuid)
     c.holds.put(settled(hold))
 
 
@@ -100,12 +101,14 @@ def _claim(c: create.Creation) -> None:
         guest=record.stem,
         labels=dict(c.spec.labels),
         credential=c.spec.credential,
-        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        owner=c.spec.owner,
+        created_at=expiry.stamp(expiry.now()),
+        expires_at=expiry.ends_at(c.spec.ttl),
         creator=c.owner.identity,
         gpus=tuple(GpuRecord.of(gpu) for gpu in c.gpus),
         fabric_partition=partition.id if partition else None,
     )
-    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING)
+    c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING, uuid=c.uuid)
     create.show_gpus(c)
 
 

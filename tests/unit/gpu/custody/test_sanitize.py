@@ -59,7 +59,7 @@ def test_a_missing_reset_method_fails_at_reset(tmp_path: Path, tree: Path) -> No
 
 def test_a_gpu_that_does_not_come_back_fails_at_alive(tmp_path: Path, tree: Path) -> None:
     fake_sysfs.gpu(tree, BDF, all_ones=True)
-    outcome = sanitize(BDF, None, config(tmp_path, gpu_reset_timeout=0.1), Host(sysfs=str(tree)))
+    outcome = sanitize(BDF, None, config(tmp_path), Host(sysfs=str(tree), reset_timeout=0.1))
     assert outcome.failed == "alive" and "all ones" in outcome.words
 
 

@@ -133,10 +133,10 @@ def test_a_failed_check_is_failed_and_only_a_forced_release_frees_it(
     config: Config, tree: Path
 ) -> None:
     fake_sysfs.gpu(tree, BDF, all_ones=True)
-    slow = make_config(tree.parent.parent, gpu_reset_timeout=0.1)
     with host_lock(config.lock_path):
         CustodyStore(config).put(Custody(BDF, state=state.QUARANTINED, reason="AER"), "test")
-    result = work.check(slow, locker(slow), BDF, lambda: None)
+    host = Host(sysfs=str(tree), reset_timeout=0.1)
+    result = work.check(config, locker(config), BDF, lambda: None, host=host)
     assert result.record.state == state.FAILED and "all ones" in result.record.reason
     record = work.force_release(config, locker(config), BDF, "uid 0 (root)")
     assert record.state == state.FREE

@@ -14,6 +14,7 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import paramiko
@@ -438,3 +439,20 @@ def test_a_burst_of_claims_starts_no_second_filler(manager: SandboxManager, conf
         for _ in range(5):
             manager.pool.refill_in_background()
     assert not (config.state_dir / "pool-fill.log").exists()  # no process was started
+
+
+def test_a_cold_create_starts_a_refill_when_the_pool_is_short(
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a ``--no-refill`` claim or a burst, later cold creates never refilled the pool
+    (issue 42, point 8): a create that boots cold now starts one while the pool is short."""
+    started: list[str] = []
+    monkeypatch.setattr(manager.pool, "refill_in_background", lambda: started.append("fill"))
+    cold = SandboxSpec(name="cold", image="tiny", memory_mib=512, disk_gib=1)
+    manager.create(cold, wait=False, refill=False)
+    assert started == []
+    manager.create(replace(cold, name="cold2"), wait=False)
+    assert started == ["fill"]
+    pooled_guest(manager)  # the pool is full now: nothing to refill
+    manager.create(replace(cold, name="cold3"), wait=False)
+    assert started == ["fill"]
