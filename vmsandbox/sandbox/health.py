@@ -5,7 +5,8 @@ GPUs' custody under the host lock, within the pass that saw them.
 
 Each pass (``Monitor.look``):
 
-1. reads the inventory (sysfs, no NVML) with the domains holding each GPU;
+1. reads the inventory (sysfs only: NVML is not started every second) with the domains
+   holding each GPU and each GPU's custody;
 2. gathers signals: each GPU's config space and power state (not of a GPU being sanitized or
    reset: its own steps judge it), the AER lines the host kernel logged since the last pass
    (a cursor in ``<state>/custody/kmsg.cursor``), domains libvirt reports paused on a fault
@@ -105,6 +106,7 @@ class Monitor:
 
     manager: SandboxManager
     paused: Callable[[], Mapping[str, str]] | None = None
+    inventory: Callable[[], Inventory] | None = None
     kernel_log: KernelLog | None = None
     clock: Callable[[], float] = time.time
     xid_interval: float = XID_INTERVAL_S
@@ -114,6 +116,8 @@ class Monitor:
 
     def __post_init__(self) -> None:
         config = self.manager.config
+        if self.inventory is None:
+            self.inventory = lambda: _sysfs_inventory(self.manager)
         if self.kernel_log is None:
             self.kernel_log = KernelLog(config.state_dir / "custody" / "kmsg.cursor")
         if self.paused is None:
@@ -128,7 +132,8 @@ class Monitor:
     def look(self) -> list[Seen]:
         """One pass (see the module docstring): what it applied."""
         at = self.clock()
-        inventory = self.manager.gpus()
+        assert self.inventory is not None
+        inventory = self.inventory()
         found = self._signals(inventory)
         seen = self._apply(found, inventory, at)
         self._recover()
@@ -242,6 +247,16 @@ class Monitor:
         finally:
             assert self.kernel_log is not None
             self.kernel_log.close()
+
+
+def _sysfs_inventory(manager: SandboxManager) -> Inventory:
+    """The inventory from sysfs alone (no NVML), with holders and custody."""
+    from vmsandbox.host import discover
+
+    config = manager.config
+    holders = manager.hypervisor.hostdev_holders()
+    found = discover(in_use=holders, use_nvml=False, require_reset=config.require_gpu_reset)
+    return custody.shown(config, found)
 
 
 def _holder(manager: SandboxManager, bdf: str) -> Callable[[], str | None]:

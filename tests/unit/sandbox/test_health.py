@@ -74,7 +74,13 @@ def monitor(
     manager: SandboxManager, kmsg: Path, paused: dict[str, str] | None = None
 ) -> health.Monitor:
     log = KernelLog(manager.config.state_dir / "cursor", str(kmsg))
-    found = health.Monitor(manager, paused=lambda: paused or {}, kernel_log=log, xid_interval=3600)
+    found = health.Monitor(
+        manager,
+        paused=lambda: paused or {},
+        inventory=manager.gpus,
+        kernel_log=log,
+        xid_interval=3600,
+    )
     assert found.look() == []  # the first pass sets the log's cursor
     return found
 
