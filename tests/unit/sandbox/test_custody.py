@@ -155,3 +155,26 @@ def test_held_by_names_the_reservation(manager: SandboxManager, config: Config) 
     (bdf,) = [gpu["bdf"] for gpu in sandbox.to_dict()["gpus"]]
     with host_lock(config.lock_path):
         assert custody.held_by(config, manager.hypervisor, bdf) == f"sandbox box ({sandbox.uuid})"
+
+
+FOREIGN = """<domain type='qemu'><name>their-vm</name><uuid>{uuid}</uuid><devices>
+<hostdev mode='subsystem' type='pci' managed='yes'><source>
+<address domain='0x0000' bus='0x{bus}' slot='0x00' function='0x0'/></source></hostdev>
+</devices></domain>"""
+
+
+def test_another_tools_gpu_is_sanitized_once_its_domain_lets_it_go(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, board: Inventory
+) -> None:
+    bdf = board.gpus[-1].bdf
+    uuid = "6b1c0a57-2d64-4c10-9a3e-0d1f3b7c9e21"
+    hv.define(FOREIGN.format(uuid=uuid, bus=bdf.split(":")[1]))
+    manager.reconcile()
+    record = CustodyStore(config).get(bdf)
+    assert (record.state, record.owner) == (state.ASSIGNED, uuid)
+    hv.undefine("their-vm")
+    with pytest.raises(ResourceExhausted):  # not free until it was sanitized
+        manager.create(gpu_spec(len(board.gpus), "all"), wait=False)
+    manager.reconcile()
+    assert CustodyStore(config).get(bdf).state == state.FREE
+    assert CustodyStore(config).sanitizes()[-1]["bdf"] == bdf
