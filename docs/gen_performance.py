@@ -105,6 +105,15 @@ ABOUT: dict[str, tuple[str, str]] = {
         "under way, GPUs held twice, and how long the fleet took to mark each dead host lost. "
         "`bench/fleet.py`, [The fleet](fleet.md).",
     ),
+    "gpu_handoff": (
+        "GPU hand-offs on the nested GPU host",
+        "Inside the nested GPU host: hand-offs of both emulated cards from one tenant's sandbox "
+        "to the next (`create --gpu 2`, destroy), each tenant's guest searching its cards' whole "
+        "video memory for the last tenant's marker before writing its own; each card's sanitize "
+        "between them (a bus reset of its root port, the check that it answers, the scrub hook "
+        "that zeroes its VRAM) step by step; one hand-off with `gpu_sanitize = false` (the probe "
+        "can fail); one AER error injected at a card's root port until its quarantine.",
+    ),
     "transfer": (
         "Copying a large file",
         "A: `vmsandbox cp` of a file of random bytes into a sandbox and out of it, each a whole "
@@ -324,7 +333,7 @@ def render(results: Path) -> str:
         "when a GPU was held twice, and `run_all.py` 1 when a target was missed or a "
         "benchmark did not finish. `create_overhead` needs virt-install "
         "(`make bench` installs it); `gpu_claim` needs a running "
-        "[nested GPU host](nested-gpu-host.md).",
+        "[nested GPU host](nested-gpu-host.md), and `gpu_handoff` starts one of its own.",
         "",
     ]
     ran = {report["bench"] for report in reports}

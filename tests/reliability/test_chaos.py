@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 import libvirt
 import pytest
+from framework import fake_sysfs
 from framework.crash import kill9, wait_for_output
 from framework.disks import mbr_qcow2
 from framework.fake_hosts import umockdev_run
@@ -146,6 +147,7 @@ def make_host(uri: str, *, pool: int = 2, image: str = "chaos") -> Host:
         f'virt_type = "qemu"\nboot_timeout = 600\nfmpm = "{FMPM / "fmpm"}"\n'
         f'fabric_manager = "{FMPM / "nv-fabricmanager"}"\n'
         f'fabric_manager_config = "{root / "fabricmanager.cfg"}"\n'
+        f'pci_sysfs = "{fake_sysfs.shared()}"\n'
         f'[pool.{image}]\nimage = "{image}"\nmemory_mib = 256\ndisk_gib = 1\ncount = {pool}\n'
     )
     config = Config.load(file)

@@ -8,7 +8,8 @@ computes (``vmsandbox.gpu.capacity`` through the host's HostInfo document):
 - ``vmsandbox/host/<name>``: HOST_UNITS, only on that node: a bundle taking one unit stays
   there (the agent actor and the host's pinned claim);
 - ``vmsandbox/sandbox``: SANDBOX_UNITS, one per sandbox, so a create without GPUs reserves too;
-- ``vmsandbox/gpu``: bindable GPUs; ``vmsandbox/model/<slug>``: bindable GPUs of one model;
+- ``vmsandbox/gpu``: bindable GPUs whose custody is not out (quarantined, failed, suspect);
+  ``vmsandbox/model/<slug>``: bindable GPUs of one model;
 - ``vmsandbox/gpus/<n>``: how many sandboxes of n GPUs fit the empty host one after another
   (Fabric Manager partitions of n GPUs in shared NVSwitch mode, 1 or all in full passthrough);
   ``vmsandbox/numa-gpus/<n>``: the same, counting placements on one NUMA node only;
@@ -42,6 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from vmsandbox.errors import InvalidArgument
+from vmsandbox.gpu.custody.state import OUT
 
 NAMESPACE = "vmsandbox-fleet"  # the Ray namespace of agents and claims
 HOST_UNITS = 1000.0
@@ -111,7 +113,7 @@ def host_totals(name: str, info: Mapping[str, Any]) -> dict[str, float]:
     """The Ray resources of host ``name``'s node, from its HostInfo document (the empty host)."""
     capacity = info["capacity"]
     totals = {HOST + name: HOST_UNITS, SANDBOX: SANDBOX_UNITS}
-    bindable = sum(1 for gpu in info["gpus"] if gpu["bindable"])
+    bindable = sum(1 for gpu in info["gpus"] if usable(gpu))
     if bindable:
         totals[GPU] = float(bindable)
     for size, count in capacity["total"].items():
@@ -127,6 +129,16 @@ def host_totals(name: str, info: Mapping[str, Any]) -> dict[str, float]:
     return totals
 
 
+def usable(gpu: Mapping[str, Any]) -> bool:
+    """A GPU the host counts as capacity: bindable, and not out of custody (quarantined,
+    failed, or suspect until its automatic reset): a sick GPU is no capacity of the fleet."""
+    return bool(gpu["bindable"]) and gpu.get("custody", "free") not in OUT
+
+
+def _free(gpu: Mapping[str, Any]) -> bool:
+    return gpu.get("custody", "free") == "free"
+
+
 def host_labels(name: str, info: Mapping[str, Any]) -> dict[str, str]:
     models = sorted({slug(gpu["model"]) for gpu in info["gpus"] if gpu["bindable"]})
     return {
@@ -140,7 +152,9 @@ def host_free(name: str, info: Mapping[str, Any]) -> dict[str, float]:
     """What the host itself says is free now, resource by resource (the totals' keys)."""
     capacity = info["capacity"]
     free = {HOST + name: HOST_UNITS, SANDBOX: SANDBOX_UNITS - len(info["sandboxes"])}
-    free[GPU] = float(sum(1 for g in info["gpus"] if g["bindable"] and g["holder"] is None))
+    free[GPU] = float(
+        sum(1 for g in info["gpus"] if usable(g) and g["holder"] is None and _free(g))
+    )
     for size, count in capacity["free"].items():
         free[GPUS + size] = float(count)
     for size, count in capacity["single_numa_free"].items():
@@ -277,8 +291,8 @@ class HostView:
             "name": self.name,
             "state": self.state,
             "fabric": info.get("fabric", {}).get("mode"),
-            "gpus": sum(1 for gpu in gpus if gpu["bindable"]),
-            "gpus_free": sum(1 for gpu in gpus if gpu["bindable"] and gpu["holder"] is None),
+            "gpus": sum(1 for gpu in gpus if usable(gpu)),
+            "gpus_free": sum(1 for g in gpus if usable(g) and g["holder"] is None and _free(g)),
             "models": info.get("capacity", {}).get("models_total", {}),
             "slots_free": info.get("capacity", {}).get("free", {}),
             "pool": [

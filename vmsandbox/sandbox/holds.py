@@ -15,6 +15,10 @@ fill or destroy: ``vm.process.Ownership``). The rules that keep it true:
   takes its remains apart and drops it.
 - **Dropped holds leave a tombstone** (``<uuid>.gone``) until reconcile, whose view is newer,
   sees the domain gone: a view read before the drop must not count the domain again.
+- **A dropped hold's GPUs are sanitizing** (``vmsandbox.gpu.custody``): marked so under the
+  same hold of the lock, before the file goes, so no GPU is free in both ledgers before it
+  was reset and cleared. The caller sanitizes them once the lock is let go (custody.py);
+  whatever it does not finish, reconcile does.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, Internal, ResourceExhausted, VmSandboxError
+from vmsandbox.gpu.custody.work import release
 from vmsandbox.lock import held
 from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.process import Ownership, ProcessIdentity
@@ -162,6 +167,10 @@ class Holds:
         unless no domain was ever defined for it (``tombstone`` False)."""
         self._check_locked(f"dropping the reservation {uuid}")
         path = self.folder / f"{uuid}.json"
+        hold = self.get(uuid)
+        if hold is not None and hold.gpus:
+            cause = f"reservation of {hold.name} ({uuid}) dropped"
+            release(self.config, hold.gpus, cause, hold.partition)
         if path.exists():
             if tombstone:
                 with contextlib.suppress(OSError):  # a full disk: reconcile's view is right

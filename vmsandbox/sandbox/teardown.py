@@ -5,8 +5,9 @@ A teardown first takes the sandbox's hold over, under the lock (holds.py): from 
 other call can claim it, commit to it, or reserve its name, and the create that was making it
 (if one still is) can no longer commit. It then stops QEMU and gives the Fabric Manager
 partition back outside the lock, and under the lock again removes the domain (by UUID), the
-files, and the hold. What it could not remove stays with a hold whose owner is gone, for
-reconcile.
+files, and the hold, its GPUs marked sanitizing first; last, outside the lock, the GPUs are
+sanitized (sandbox/custody.py) before anyone may take them again. What it could not remove
+stays with a hold whose owner is gone, for reconcile.
 
 A hold is taken over only once its domain exists: before that, its create is still writing
 the files the name reserves, and removing them under it would let a later create of that name
@@ -24,6 +25,7 @@ from dataclasses import replace
 
 from vmsandbox.errors import FailedPrecondition, NotFound, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
+from vmsandbox.sandbox import custody
 from vmsandbox.sandbox.create import Remains
 from vmsandbox.sandbox.holds import TEARDOWNS, Hold, Holds, own
 from vmsandbox.sandbox.record import SandboxFiles, SandboxRecord
@@ -180,10 +182,14 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
                 lambda: _remove_files(remains),
             ):
                 _collect(step, failures)
-            if not failures and remains.mine() is not None:
-                remains.holds.drop(remains.uuid)
+            hold = remains.mine() if not failures else None
+            if hold is not None:
+                remains.holds.drop(remains.uuid)  # its GPUs marked sanitizing
     except VmSandboxError as exc:  # the lock
         failures.append(exc.message)
+        hold = None
+    if hold is not None:
+        custody.sanitize(remains.config, lock, hold.gpus)
     if failures or fabric:
         raise FailedPrecondition(
             f"sandbox {remains.name!r} was not removed completely: " + "; ".join(failures + fabric),

@@ -252,3 +252,13 @@ def test_the_cli_and_the_package_never_load_ray() -> None:
         check=True,
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_a_gpu_that_is_out_of_custody_is_no_capacity() -> None:
+    doc = document()
+    doc["gpus"][0]["custody"] = "quarantined"
+    assert model.host_totals("l4-box", doc)[model.GPU] == 1.0
+    assert model.host_free("l4-box", doc)[model.GPU] == 0.0
+    doc["gpus"][0]["custody"] = "sanitizing"  # coming back: capacity, not free yet
+    assert model.host_totals("l4-box", doc)[model.GPU] == 2.0
+    assert model.host_free("l4-box", doc)[model.GPU] == 0.0
