@@ -37,6 +37,7 @@ from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, Internal, ResourceExhausted, VmSandboxError
 from vmsandbox.gpu.custody.work import release
 from vmsandbox.lock import held
+from vmsandbox.tools import write_json
 from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.process import Ownership, ProcessIdentity
 
@@ -148,15 +149,10 @@ class Holds:
         """Write ``hold`` (atomically: readers see the old one or the new one)."""
         self._check_locked(f"writing the reservation of sandbox {hold.name!r}")
         path = self.folder / f"{hold.uuid}.json"
-        partial = path.with_suffix(".partial")
         try:
-            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(json.dumps(hold.to_dict()) + "\n")
-            os.replace(partial, path)
+            write_json(path, hold.to_dict())
         except OSError as exc:
-            partial.unlink(missing_ok=True)
+            partial = path.with_suffix(".partial")
             doing = f"writing the reservation of sandbox {hold.name!r}"
             raise unwritable(doing, exc, partial) from exc
         (self.folder / f"{hold.uuid}.gone").unlink(missing_ok=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
-from framework.fake_hypervisor import FakeHypervisor, unit_config
+from framework.fake_hypervisor import FakeHypervisor
 from framework.openshell_client import (
     CONTRACT,
     DEFAULT_ADMISSION,
@@ -368,16 +368,6 @@ def test_a_launch_that_cannot_resolve_starts_nothing(guest_root, workload: Workl
 
 
 # -- the contract over gRPC, from the upstream protos -----------------------------------------
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return unit_config(tmp_path)
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
 
 
 @pytest.fixture

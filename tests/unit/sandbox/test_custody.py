@@ -61,11 +61,6 @@ def config(tmp_path: Path, tree: Path) -> Config:
 
 
 @pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
 def manager(config: Config, hv: FakeHypervisor, board: Inventory) -> Iterator[SandboxManager]:
     BoardManager.board = board
     with BoardManager(config, hypervisor=hv, reconcile=False) as mgr:

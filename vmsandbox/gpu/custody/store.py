@@ -28,6 +28,7 @@ from typing import Any
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, Internal, ResourceExhausted, VmSandboxError
 from vmsandbox.lock import held
+from vmsandbox.tools import write_json
 
 from .state import QUARANTINED, Custody, now_text
 
@@ -83,16 +84,9 @@ class CustodyStore:
         """Write ``record`` (atomically) and log the change with its ``cause``."""
         doing = f"writing the custody record of GPU {record.bdf}"
         self._check_locked(doing)
-        path = self.gpus / f"{record.bdf}.json"
-        partial = path.with_suffix(".partial")
         try:
-            self.gpus.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(json.dumps(record.to_dict()) + "\n")
-            os.replace(partial, path)
+            write_json(self.gpus / f"{record.bdf}.json", record.to_dict())
         except OSError as exc:
-            partial.unlink(missing_ok=True)
             raise _unwritable(doing, exc) from exc
         self.log(
             {
