@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, NotFound, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.sandbox.create import Remains
@@ -131,7 +132,7 @@ def _take_over(
         return None
     record = found.record if found else None
     uuid = found.uuid if found else hold.uuid if hold else ""
-    holds.put(replace(hold or _hold_of(record, uuid), owner=owner.identity, doing="destroy"))
+    holds.put(replace(hold or hold_of(record, uuid), owner=owner.identity, doing="destroy"))
     return Remains(hypervisor, config, name, files, record, uuid=uuid, owner=owner)
 
 
@@ -141,7 +142,7 @@ def _unclaimed(hold: Hold | None, found: Found | None) -> bool:
     return found is not None and found.record.guest is None and found.state == "pooled"
 
 
-def _hold_of(record: SandboxRecord | None, uuid: str) -> Hold:
+def hold_of(record: SandboxRecord | None, uuid: str) -> Hold:
     """A hold for a sandbox made before holds existed, read from its record with everything
     it holds: once a hold names its UUID, the allocation counts its domain's GPUs and
     partition from the hold alone, and they must not look free until the domain is gone."""
@@ -189,6 +190,27 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
             f"sandbox {remains.name!r} was not removed completely: " + "; ".join(failures + fabric),
             details={"remaining": [str(path) for path in remains.files.existing()]},
         )
+
+
+def release_gpus(holds: Holds, hold: Hold) -> Hold:
+    """Under the lock: ``hold`` keeps its sandbox (name, port, owner) but lets its GPUs, their
+    companions and NVSwitches, and its Fabric Manager partition go: a suspend's counterpart of
+    the GPU release that ``Holds.drop`` is for a destroy. Returns the hold as written.
+
+    The GPU release hook. With GPU custody (branch ``custody``) a reservation that lets GPUs
+    go marks them ``sanitizing`` under the same hold of the lock; merged, this function calls
+    ``vmsandbox.gpu.custody.work.release(holds.config, hold.gpus, cause, hold.partition)``
+    before it writes the hold, as ``Holds.drop`` does, and ``sanitize_released`` calls
+    ``custody.sanitize``."""
+    return holds.put(replace(hold, gpus=(), partition=None))
+
+
+def sanitize_released(config: Config, lock: Lock, gpus: tuple[str, ...]) -> None:
+    """Outside the lock, once ``release_gpus`` let ``gpus`` go: what makes them fit for the
+    next tenant. libvirt's managed detach has given each back to its host driver; the reset
+    and memory clear are custody's (merged: ``custody.sanitize(config, lock, gpus)``, as
+    ``finish`` calls it after a destroy)."""
+    del config, lock, gpus  # nothing more to do until custody lands
 
 
 def _remove_files(remains: Remains) -> None:
