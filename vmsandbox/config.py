@@ -114,6 +114,9 @@ class Config:
     max_memory_mib: int = 65536
     max_disk_gib: int = 256
     max_gpus: int = 16
+    # The disk that suspended sandboxes' saved memory may take on this host, all together, in
+    # GiB: a suspend that would pass it is refused (RESOURCE_EXHAUSTED).
+    max_saved_gib: int = 64
     # Pin vCPUs to the host CPUs of the GPUs' NUMA node when a sandbox has GPUs.
     numa_pinning: bool = True
     # Refuse GPUs the kernel cannot reset (host/discover.py): the next tenant could read the

@@ -1,0 +1,266 @@
+"""Resume: a suspended sandbox's memory restored, its guest woken, its GPUs taken again.
+
+A resume runs, each transition under the host lock and the slow work outside it:
+
+1. GPU sandboxes, outside the lock: the host's GPUs read (inventory, fabric); under the lock,
+   free GPUs of the model and count it had (any host address) reserved in its hold, or
+   RESOURCE_EXHAUSTED with the sandbox left suspended, nothing lost;
+2. under the lock: the hold taken by this call (``doing`` "resume"), the record ``resuming``
+   with the new GPUs;
+3. the memory restored (``Hypervisor.start`` of a domain with a managed save, past the page
+   cache); once SSH answers, the guest woken: its clock set to the host's and its random
+   number generator reseeded from bytes the host drew (the control channel's ``wake``, or
+   over SSH for guests without it), beside the VM generation ID libvirt changed (genid);
+4. GPU sandboxes: each GPU attached at its old guest slot (handover.py), seen by the guest,
+   taken up (driver loaded, checkpointed processes restored with the old-to-new GPU map:
+   guest/quiesce.py) and verified as a create verifies;
+5. under the lock: the hold settled (no saved bytes), the record ``ready``, the suspension
+   forgotten.
+
+A resume that fails is settled at once as suspend.py's ``settle`` says: a guest that runs is
+ready with the GPUs it holds, one still saved stays suspended with no GPU held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from vmsandbox.config import Config
+from vmsandbox.errors import FailedPrecondition, ResourceExhausted, VmSandboxError
+from vmsandbox.gpu.record import GpuRecord
+from vmsandbox.guest import control, ssh
+from vmsandbox.host.model import Inventory
+from vmsandbox.progress import Progress
+from vmsandbox.sandbox import boot, create, handover, reserve
+from vmsandbox.sandbox.holds import Holds, own
+from vmsandbox.sandbox.record import (
+    STATE_READY,
+    STATE_RESUMING,
+    STATE_SUSPENDED,
+    SandboxFiles,
+    SandboxRecord,
+)
+from vmsandbox.sandbox.store import Found, SandboxStore
+from vmsandbox.sandbox.suspend import settle
+from vmsandbox.sandbox.suspension import Suspension
+from vmsandbox.vm import netguard
+from vmsandbox.vm.process import Ownership
+
+Lock = Callable[[], contextlib.AbstractContextManager[None]]
+Inventories = Callable[[Mapping[str, str]], Inventory]
+# How long a restored guest may take to answer SSH (it was running: seconds, not a boot).
+SSH_TIMEOUT_S = 120.0
+
+
+def resume(
+    store: SandboxStore,
+    lock: Lock,
+    found: Found,
+    *,
+    progress: Progress,
+    inventory: Inventories,
+    guest_run: handover.GuestRun = ssh.run,
+    verify: bool = True,
+) -> tuple[Found, float]:
+    """Resume the suspended sandbox of ``found`` (module docstring); the sandbox as stored
+    and the seconds from the restore until SSH answered. Idempotent for a sandbox that runs
+    (nothing done, 0.0). FAILED_PRECONDITION for one that is not suspended."""
+    hypervisor, config = store.hypervisor, store.config
+    record = found.record
+    if hypervisor.running(record.domain, uuid=found.uuid) and found.state != STATE_SUSPENDED:
+        return found, 0.0
+    check_resumable(store, found)
+    held = record.suspended
+    assert held is not None  # check_resumable
+    view = None
+    if held.gpus:
+        view = reserve.look(hypervisor, config, True, inventory)
+    owner = own(config)
+    try:
+        with lock():
+            found = _begin(store, found, owner, view)
+        try:
+            return _restore(store, lock, found, held, progress, guest_run, verify, owner)
+        except BaseException:
+            with contextlib.suppress(Exception), lock():
+                settle(hypervisor, config, found.uuid, owner=owner)
+            raise
+    finally:
+        owner.end()
+
+
+def check_resumable(store: SandboxStore, found: Found) -> None:
+    """FAILED_PRECONDITION for a sandbox that is not suspended (or not ours)."""
+    record, name = found.record, found.record.name
+    if not store.local(record):
+        raise FailedPrecondition(
+            f"sandbox {name!r} was made with another state directory; resume it there",
+            details={"name": name},
+        )
+    saved = store.hypervisor.saved(record.domain, uuid=found.uuid)
+    if found.state != STATE_SUSPENDED or record.suspended is None or saved is None:
+        shown = store.view(record, found.state, found.uuid).state
+        raise FailedPrecondition(
+            f"sandbox {name!r} is not suspended (it is {shown}); 'vmsandbox suspend {name}' "
+            "suspends it",
+            details={"name": name, "state": shown},
+        )
+
+
+def matching(held: Suspension, free: list[GpuRecord]) -> tuple[GpuRecord, ...] | None:
+    """GPUs among ``free`` of the models ``held`` had, one per old GPU in its slot order (a
+    pure choice); None when there are not enough."""
+    left = list(free)
+    chosen = []
+    for old in held.gpus:
+        same = next(
+            (
+                gpu
+                for gpu in left
+                if (gpu.vendor_id.lower(), gpu.device_id.lower())
+                == (old.vendor_id.lower(), old.device_id.lower())
+                and len(gpu.companions) == len(old.companions)
+            ),
+            None,
+        )
+        if same is None:
+            return None
+        left.remove(same)
+        chosen.append(same)
+    return tuple(chosen)
+
+
+def _begin(
+    store: SandboxStore, found: Found, owner: Ownership, view: reserve.HostView | None
+) -> Found:
+    """Under the lock: the hold taken (with new GPUs reserved), the record resuming."""
+    config, record = store.config, found.record
+    held = record.suspended
+    assert held is not None
+    holds = Holds(config)
+    hold = holds.get(found.uuid)
+    if hold is None or hold.busy:
+        raise FailedPrecondition(
+            f"sandbox {record.name!r} is busy: a {hold.doing if hold else 'call'} is at work on it",
+            details={"name": record.name},
+        )
+    gpus: tuple[GpuRecord, ...] = ()
+    if view is not None:
+        gpus = _reserve(config, record, held, view, holds)
+    functions = tuple(bdf for gpu in gpus for bdf in (gpu.bdf, *gpu.companions))
+    holds.put(replace(hold, gpus=functions, owner=owner.identity, doing="resume"))
+    return store.commit(found, lambda now: replace(now, gpus=gpus), STATE_RESUMING)
+
+
+def _reserve(
+    config: Config,
+    record: SandboxRecord,
+    held: Suspension,
+    view: reserve.HostView,
+    holds: Holds,
+) -> tuple[GpuRecord, ...]:
+    """Free GPUs of the suspended ones' models (RESOURCE_EXHAUSTED when too few are free)."""
+    from vmsandbox.host.model import with_holders
+
+    assert view.inventory is not None
+    now = reserve.taken(view, holds)
+    inventory = with_holders(view.inventory, now.holders)
+    free = [GpuRecord.of(gpu) for gpu in inventory.gpus if gpu.bindable and gpu.in_use_by is None]
+    chosen = matching(held, free)
+    if chosen is None:
+        models = ", ".join(sorted({gpu.name or gpu.device_id for gpu in held.gpus}))
+        raise ResourceExhausted(
+            f"sandbox {record.name!r} cannot be resumed now: it needs {len(held.gpus)} free "
+            f"GPU(s) of model {models} and {len(free)} GPU(s) of any model are free; it stays "
+            "suspended, nothing lost: resume it once GPUs are free",
+            details={"name": record.name, "gpus": len(held.gpus), "models": models},
+        )
+    return chosen
+
+
+def _restore(
+    store: SandboxStore,
+    lock: Lock,
+    found: Found,
+    held: Suspension,
+    progress: Progress,
+    guest_run: handover.GuestRun,
+    verify: bool,
+    owner: Ownership,
+) -> tuple[Found, float]:
+    hypervisor, config = store.hypervisor, store.config
+    record = found.record
+    files = SandboxFiles.of(config, record.stem)
+    netguard.before_start(config)
+    progress(f"restoring the memory of {record.name}")
+    started = time.monotonic()
+    hypervisor.start(record.domain, uuid=found.uuid)
+    control.restrict(files.control)
+    waited = _wait(store, found, progress)
+    _wake(record, files, guest_run)
+    progress(f"{record.name} answers SSH {time.monotonic() - started:.2f} s after the restore")
+    report = None
+    if record.gpus:
+        run = handover.guest_runner(guest_run, record, files)
+        definition = hypervisor.definition(record.domain, uuid=found.uuid)
+        handover.attach(hypervisor, record.domain, found.uuid, held, record.gpus, progress)
+        handover.wait_until_seen(run, definition, held, record.gpus, record.name, progress)
+        revived = handover.take_up(run, record)
+        progress(f"the guest took its GPUs up: {revived}")
+        if verify:
+            endpoint = ssh.Endpoint(record.ssh.host, record.ssh.port or 22, record.ssh.user)
+            report = create.verify_guest(record, endpoint, files, guest_run)
+    with lock():
+        holds = Holds(config)
+        hold = holds.get(found.uuid)
+        if hold is None or not hold.owned_by(owner.identity):
+            raise FailedPrecondition(f"sandbox {record.name!r} was taken over while it resumed")
+        holds.put(replace(hold, owner=None, doing="", saved_bytes=0))
+
+        def ready(now: SandboxRecord) -> SandboxRecord:
+            return replace(now, suspended=None, verification=report or now.verification)
+
+        found = store.commit(found, ready, STATE_READY)
+    if report is not None and not report["ok"]:
+        from vmsandbox.guest.verify import VerificationReport, raise_if_failed
+
+        raise_if_failed(VerificationReport.from_dict(report), subject=f"sandbox {record.name!r}")
+    return found, waited
+
+
+def _wait(store: SandboxStore, found: Found, progress: Progress) -> float:
+    """Wait until the restored guest's sshd accepts the sandbox key (it ran when it was
+    saved: no boot to wait for); the seconds waited."""
+    record = found.record
+    files = SandboxFiles.of(store.config, record.stem)
+    watch = boot.BootWatch(
+        store.hypervisor, record.name, record.domain, files, False, uuid=found.uuid
+    )
+    endpoint = boot.endpoint(watch, record.ssh, timeout=SSH_TIMEOUT_S)
+    keys = files.keys(record.host_key_alias)
+    return boot.wait_for_ssh(watch, endpoint, keys, timeout=SSH_TIMEOUT_S, progress=progress)
+
+
+def _wake(record: SandboxRecord, files: SandboxFiles, guest_run: handover.GuestRun) -> None:
+    """The guest's clock set and its random number generator reseeded: through the control
+    channel where the guest serves it, else over SSH (``date`` and a write to /dev/urandom,
+    which mixes in without crediting)."""
+    with contextlib.suppress(VmSandboxError):
+        if files.control.exists() and control.wake(files.control, guest=files.name):
+            return
+    run = handover.guest_runner(guest_run, record, files)
+    seed = os.urandom(control.SEED_BYTES).hex()
+    script = f"date -u -s @{time.time():.6f} >/dev/null; echo {seed} > /dev/urandom"
+    command = f"sudo -n sh -c {shlex.quote(script)}"
+    result = run(command, timeout=30)
+    if result.exit_status != 0:
+        raise FailedPrecondition(
+            f"sandbox {record.name!r}: setting the guest's clock after its resume failed "
+            f"(exit {result.exit_status}): {result.stderr.strip()[-200:]}",
+            details={"name": record.name},
+        )
