@@ -81,12 +81,15 @@ def resume(
     if held.gpus:
         view = reserve.look(hypervisor, config, True, inventory)
     owner = own(config)
+    stage: list[str] = []  # "attaching" once restored with GPUs to attach, until taken up
     try:
         with lock():
             found = _begin(store, found, owner, view)
         try:
-            return _restore(store, lock, found, held, progress, guest_run, verify, owner)
-        except BaseException:
+            return _restore(store, lock, found, held, progress, guest_run, verify, owner, stage)
+        except BaseException as exc:
+            if stage == ["attaching"]:  # the guest never took a GPU up: it can be saved again
+                _save_again(store, found, held, exc)
             with contextlib.suppress(Exception), lock():
                 settle(hypervisor, config, found.uuid, owner=owner)
             raise
@@ -192,6 +195,7 @@ def _restore(
     guest_run: handover.GuestRun,
     verify: bool,
     owner: Ownership,
+    stage: list[str],
 ) -> tuple[Found, float]:
     hypervisor, config = store.hypervisor, store.config
     record = found.record
@@ -208,8 +212,10 @@ def _restore(
     if record.gpus:
         run = handover.guest_runner(guest_run, record, files)
         definition = hypervisor.definition(record.domain, uuid=found.uuid)
+        stage.append("attaching")
         handover.attach(hypervisor, record.domain, found.uuid, held, record.gpus, progress)
         handover.wait_until_seen(run, definition, held, record.gpus, record.name, progress)
+        stage.append("taking up")
         revived = handover.take_up(run, record)
         progress(f"the guest took its GPUs up: {revived}")
         if verify:
@@ -231,6 +237,28 @@ def _restore(
 
         raise_if_failed(VerificationReport.from_dict(report), subject=f"sandbox {record.name!r}")
     return found, waited
+
+
+def _save_again(store: SandboxStore, found: Found, held: Suspension, exc: BaseException) -> None:
+    """A resume whose GPUs could not be attached or were not seen (the guest's driver never
+    took them up): what was attached detached and the guest saved again, so that it stays
+    suspended with its GPUs to take rather than running without them. What fails here is a
+    note on the resume's error; the sandbox is then settled as it is."""
+    hypervisor, domain = store.hypervisor, found.record.domain
+    try:
+        there = handover.attached(hypervisor, domain)
+        pairs = [
+            (gpu, bus)
+            for gpu, bus in zip(found.record.gpus, held.buses, strict=True)
+            if gpu.bdf in there
+        ]
+        if pairs:
+            kept = replace(held, buses=tuple(bus for _gpu, bus in pairs))
+            gpus = tuple(gpu for gpu, _bus in pairs)
+            handover.detach(hypervisor, domain, found.uuid, kept, gpus, lambda _line: None)
+        hypervisor.save(domain, uuid=found.uuid)
+    except VmSandboxError as again:
+        exc.add_note(f"saving sandbox {found.record.name!r} again failed: {again}")
 
 
 def _wait(store: SandboxStore, found: Found, progress: Progress) -> float:
