@@ -95,6 +95,14 @@ ABOUT: dict[str, tuple[str, str]] = {
         "claiming a GPU-ready pooled guest (the card attached live), each to ready with the "
         "in-guest verification.",
     ),
+    "suspend": (
+        "Suspend and resume",
+        "One 1 GiB `minimal` sandbox suspended and resumed through the Python API, cycle after "
+        "cycle, beside the boot floor of Fast start: a suspend (managed save), a resume until "
+        "SSH answers (restore, SSH, the guest's clock and seed set), the resident memory of the "
+        "domain's QEMU while suspended, and in each cycle a process started before the first "
+        "(its PID and in-memory counter) and a file written before (its checksum) checked.",
+    ),
     "transfer": (
         "Copying a large file",
         "A: `vmsandbox cp` of a file of random bytes into a sandbox and out of it, each a whole "
@@ -357,6 +365,9 @@ def render(results: Path) -> str:
             lines += [*table(headers, load_rows(report)), "", load_errors(report)]
         elif "floor" in report.get("summary", {}):
             lines += summary_lines(report["summary"])
+        elif "figures" in report:
+            rows = [(key, str(value)) for key, value in report["figures"].items()]
+            lines += table(("Figure", "Value"), rows)
         else:
             lines += table(("Measurement", "Median", "Min - max"), series_rows(report))
         stages = stage_rows(report)
