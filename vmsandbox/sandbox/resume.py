@@ -65,6 +65,7 @@ SSH_TIMEOUT_S = 120.0
 # how often.
 QUICK_S = 10.0
 QUICK_POLL_S = 0.1
+WAKE_S = 2.0  # how long the control channel's ``wake`` may take (``_woken``)
 
 
 def resume(
@@ -302,12 +303,10 @@ def _reach(
     record = found.record
     files = SandboxFiles.of(store.config, record.stem)
     keys = files.keys(record.host_key_alias)
-    if record.ssh.port is not None and files.control.exists():
-        with contextlib.suppress(VmSandboxError):
-            if control.wake(files.control, guest=files.name):
-                endpoint = ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user)
-                ssh.prove_host_key(endpoint, keys)
-                return round(time.monotonic() - started, 3)
+    if record.ssh.port is not None and files.control.exists() and _woken(files):
+        endpoint = ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user)
+        ssh.prove_host_key(endpoint, keys)
+        return round(time.monotonic() - started, 3)
     deadline = time.monotonic() + QUICK_S
     while record.ssh.port is not None and time.monotonic() < deadline:
         try:
@@ -318,6 +317,15 @@ def _reach(
     _wait(store, found, progress)
     _wake_over_ssh(record, files, guest_run)
     return round(time.monotonic() - started, 3)
+
+
+def _woken(files: SandboxFiles) -> bool:
+    """Whether the guest took the control channel's ``wake`` within WAKE_S. A guest saved
+    before its channel's server ran may not answer at all: the clock then goes over SSH."""
+    try:
+        return control.wake(files.control, guest=files.name, timeout=WAKE_S)
+    except VmSandboxError:
+        return False
 
 
 def _wake_over_ssh(
