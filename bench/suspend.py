@@ -150,7 +150,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cycles": args.cycles,
         "cycles_intact": found["intact"],
     }
-    report.extra.update(figures=figures, per_cycle=found, **figures)
+    series = [
+        common.Series("boot floor", [before, after]),
+        common.Series("suspend (managed save)", found["suspend_s"]),
+        common.Series("resume until SSH answers, clock set", found["resume_ssh_s"]),
+    ]
+    report.extra.update(
+        series=[s.to_dict() for s in series], figures=figures, per_cycle=found, **figures
+    )
     report.checks += [
         common.at_most("resume until SSH / floor", figures["resume_over_floor"], 0.5, "x"),
         common.at_most("cycles not intact", args.cycles - found["intact"], 0, ""),

@@ -103,6 +103,25 @@ ABOUT: dict[str, tuple[str, str]] = {
         "domain's QEMU while suspended, and in each cycle a process started before the first "
         "(its PID and in-memory counter) and a file written before (its checksum) checked.",
     ),
+    "fleet": (
+        "The fleet under faults",
+        "Four fake hosts (36 GPUs) behind one fleet server, 8 clients creating sandboxes of 1 to "
+        "8 GPUs and deleting some, while one host's driver is killed (its Ray node alive) and "
+        "started again, another host is killed whole and joined again, and the fleet server is "
+        "killed and started again; creates and deletes of unknown outcome asked again as a "
+        "gateway does. Judged from each host's own records: sandboxes lost, duplicated or left "
+        "under way, GPUs held twice, and how long the fleet took to mark each dead host lost. "
+        "`bench/fleet.py`, [The fleet](fleet.md).",
+    ),
+    "gpu_handoff": (
+        "GPU hand-offs on the nested GPU host",
+        "Inside the nested GPU host: hand-offs of both emulated cards from one tenant's sandbox "
+        "to the next (`create --gpu 2`, destroy), each tenant's guest searching its cards' whole "
+        "video memory for the last tenant's marker before writing its own; each card's sanitize "
+        "between them (a bus reset of its root port, the check that it answers, the scrub hook "
+        "that zeroes its VRAM) step by step; one hand-off with `gpu_sanitize = false` (the probe "
+        "can fail); one AER error injected at a card's root port until its quarantine.",
+    ),
     "transfer": (
         "Copying a large file",
         "A: `vmsandbox cp` of a file of random bytes into a sandbox and out of it, each a whole "
@@ -322,7 +341,7 @@ def render(results: Path) -> str:
         "when a GPU was held twice, and `run_all.py` 1 when a target was missed or a "
         "benchmark did not finish. `create_overhead` needs virt-install "
         "(`make bench` installs it); `gpu_claim` needs a running "
-        "[nested GPU host](nested-gpu-host.md).",
+        "[nested GPU host](nested-gpu-host.md), and `gpu_handoff` starts one of its own.",
         "",
     ]
     ran = {report["bench"] for report in reports}
@@ -351,6 +370,11 @@ def render(results: Path) -> str:
                 f"{report['clients']} clients for {report['seconds']:.0f} s, "
                 f"{report['domains']} defined domains"
             )
+        if "fleet_clients" in report:
+            rounds = (
+                f"{report['creates']} creates from {report['fleet_clients']} clients, "
+                f"{report['seconds']:.0f} s in all"
+            )
         lines += ["", f"## {title}", ""]
         if about:
             lines += [about, ""]
@@ -365,9 +389,6 @@ def render(results: Path) -> str:
             lines += [*table(headers, load_rows(report)), "", load_errors(report)]
         elif "floor" in report.get("summary", {}):
             lines += summary_lines(report["summary"])
-        elif "figures" in report:
-            rows = [(key, str(value)) for key, value in report["figures"].items()]
-            lines += table(("Figure", "Value"), rows)
         else:
             lines += table(("Measurement", "Median", "Min - max"), series_rows(report))
         stages = stage_rows(report)
@@ -382,6 +403,9 @@ def render(results: Path) -> str:
                 for c in judged
             ]
             lines += table(("Figure", "Value", "Target", "Verdict"), rows)
+        figures = report.get("figures")
+        if figures:  # every figure of the run, as the benchmark prints them
+            lines += ["", *table(("Figure", "Value"), [(k, str(v)) for k, v in figures.items()])]
     suite = results / SUITE
     if suite.is_file():
         lines += ["", *suite.read_text().rstrip("\n").splitlines()]

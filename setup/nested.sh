@@ -47,9 +47,18 @@ QEMU=/usr/bin/qemu-system-x86_64
 L1_CPU="${VMSANDBOX_NESTED_CPU:-EPYC}"
 TCG_THREAD="${VMSANDBOX_NESTED_TCG_THREAD:-multi}"
 # The two cards: an RV100 (Radeon 7000, 1002:5159, which radeon drives) and a Rage 128 Pro
-# (1002:5046, which no driver of the generic kernel binds by default), in slots of their own so
-# each is alone in its IOMMU group.
-CARDS=(-device ati-vga,model=rv100,bus=pcie.0,addr=0x5 -device ati-vga,model=rage128p,bus=pcie.0,addr=0x6)
+# (1002:5046, which no driver of the generic kernel binds by default), each behind a PCIe root
+# port of its own: alone in its IOMMU group with its port, and alone below a bridge, so that
+# L1's kernel can reset it with a secondary bus reset (reset_method "bus") and every rule of
+# vmsandbox holds in L1 as on a GPU host. The ports' ids are what QEMU's monitor names them by
+# (fault injection: `pcie_aer_inject_error gpu1 ...`).
+CARDS=(
+  -device pcie-root-port,id=gpu0,bus=pcie.0,addr=0x5,chassis=5 -device ati-vga,model=rv100,bus=gpu0
+  -device pcie-root-port,id=gpu1,bus=pcie.0,addr=0x6,chassis=6 -device ati-vga,model=rage128p,bus=gpu1
+)
+# L1's scrub hook: the cards keep their video memory through a reset, so vmsandbox's sanitize
+# zeroes it through BAR0 (setup/scrub_bar.py, copied in with the code).
+SCRUB_HOOK=/opt/vmsandbox/src/setup/scrub_bar.py
 
 say() { printf '[nested] %s\n' "$*" >&2; }
 die() { say "$*"; exit 1; }
@@ -109,7 +118,10 @@ make_data_disk() {
 # point (tests/framework/crash_cli.py, for the kill-at-each-stage tests), replacing the last copy.
 sync_code() {
   tar -C "$PWD" --exclude=__pycache__ -cf - vmsandbox templates tests/framework/crash_cli.py \
-    | ssh_l1 'cd /opt/vmsandbox/src && rm -rf vmsandbox templates tests && tar -xf -'
+    setup/scrub_bar.py \
+    | ssh_l1 'cd /opt/vmsandbox/src && rm -rf vmsandbox templates tests setup && tar -xf -'
+  ssh_l1 "grep -q '^gpu_scrub_hook' /etc/vmsandbox/config.toml \
+    || printf 'gpu_scrub_hook = \"%s\"\\n' $SCRUB_HOOK >> /etc/vmsandbox/config.toml"
 }
 
 # Wait until CMD... succeeds in L1 (L1 must stay up, within the boot timeout); its last output
@@ -200,8 +212,9 @@ boot() {
   launch
 }
 
-# The cards' PCI functions in L1 (the slots CARDS puts them in).
-CARD_BDFS="0000:00:05.0 0000:00:06.0"
+# The cards' PCI functions in L1 (behind the root ports CARDS makes, on the buses SeaBIOS gives
+# them).
+CARD_BDFS="0000:01:00.0 0000:02:00.0"
 
 # Save the freshly booted L1 (no L2 guest started yet) as the pristine snapshot: its memory and
 # device state in snap/state, its disks as they are then in snap/. The emulated cards have no
@@ -230,13 +243,15 @@ restore() {
   launch -incoming "exec:cat $STATE/snap/state"
   "$PYTHON" setup/qmp.py "$STATE/qmp.sock" resume 120
   wait_for true
-  ssh_l1 "date -s @$(date +%s) >/dev/null && echo 1 > /sys/bus/pci/rescan"
+  ssh_l1 "date -s @$(date +%s.%N) >/dev/null && echo 1 > /sys/bus/pci/rescan"
 }
 
 # What a snapshot holds: the nested and minimal images, and the machine it was saved from (QEMU
-# loads a saved state only into the same CPU model, vCPU count and memory size).
+# loads a saved state only into the same CPU model, vCPU count, memory size and devices).
 snapshot_key() {
-  echo "$(image_path nested) $(image_path minimal) cpu=$L1_CPU cpus=$CPUS memory=$MEMORY_MIB"
+  local cards
+  cards=$(printf '%s ' "${CARDS[@]}" | md5sum | cut -c1-12)
+  echo "$(image_path nested) $(image_path minimal) cpu=$L1_CPU cpus=$CPUS memory=$MEMORY_MIB cards=$cards"
 }
 
 # Whether the pristine snapshot is there and was saved from the current images and machine.
@@ -277,10 +292,10 @@ cmd_start() {
   say "copying vmsandbox from $PWD into L1"
   sync_code
   if [ ! -f "$STATE/snap/state" ]; then
-    wait_for VMSANDBOX_REQUIRE_GPU_RESET=0 vmsandbox gpus >/dev/null
+    wait_for vmsandbox gpus >/dev/null
     snapshot
   fi
-  wait_for VMSANDBOX_REQUIRE_GPU_RESET=0 vmsandbox gpus
+  wait_for vmsandbox gpus
   say "L1 ready in $((SECONDS - started)) s"
 }
 
@@ -291,11 +306,10 @@ cmd_exec() {
   local quoted
   quoted=$(printf '%q ' "$@")
   local rc=0
-  # The emulated cards have no reset method (QEMU's ati-vga has neither FLR nor a PM reset,
-  # and sits on the root bus): vmsandbox refuses such GPUs unless told the host clears them by
-  # other means. Here no tenant data is at stake, so the rule is turned off for L1's commands.
-  ssh_l1 "export PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin" \
-    "VMSANDBOX_REQUIRE_GPU_RESET=0; $quoted" || rc=$?
+  # Every rule of vmsandbox is on in L1: the cards reset with a secondary bus reset of their
+  # root ports, and L1's config names the scrub hook that clears their memory.
+  ssh_l1 "export PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin; $quoted" \
+    || rc=$?
   if [ "$rc" = 255 ] && grep -a -q "Kernel panic" "$STATE/console.log"; then
     # ssh itself failed and L1's kernel panicked (KVM inside TCG; docs/nested-gpu-host.md): its last
     # console lines hold the trace.

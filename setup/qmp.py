@@ -1,7 +1,11 @@
-"""The few QMP commands setup/nested.sh needs to save and restore its L1 host.
+"""The few QMP commands setup/nested.sh needs to save and restore its L1 host, and that the
+tests need to inject faults into it.
 
     qmp.py SOCKET save FILE       pause the VM and write its whole state to FILE
     qmp.py SOCKET resume SECONDS  wait until an incoming state is loaded, then run the VM
+    qmp.py SOCKET hmp COMMAND     run a human-monitor command (e.g. "pcie_aer_inject_error gpu1
+                                  DLP": an uncorrectable error at a card's root port); its
+                                  output on stdout
 
 QMP is QEMU's JSON monitor protocol: one greeting, ``qmp_capabilities``, then one JSON object
 per command and per answer, with asynchronous events in between (skipped here).
@@ -63,12 +67,19 @@ def resume(monitor: Monitor, seconds: float) -> None:
     monitor.call("cont")
 
 
+def hmp(monitor: Monitor, command: str) -> str:
+    """A human-monitor command through QMP (``pcie_aer_inject_error`` has no QMP form)."""
+    return str(monitor.call("human-monitor-command", **{"command-line": command}))
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) != 3 or argv[1] not in ("save", "resume"):
+    if len(argv) != 3 or argv[1] not in ("save", "resume", "hmp"):
         raise SystemExit(__doc__)
     monitor = Monitor(argv[0])
     if argv[1] == "save":
         save(monitor, argv[2])
+    elif argv[1] == "hmp":
+        print(hmp(monitor, argv[2]), end="")
     else:
         resume(monitor, float(argv[2]))
 

@@ -73,7 +73,7 @@ _ENV = {
     "gpu_firmware": "VMSANDBOX_GPU_FIRMWARE",
 }
 _POOL_KEYS = ("image", "cpus", "memory_mib", "disk_gib", "count", "gpus")
-_PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config")
+_PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config", "pci_sysfs")
 # What guests with outbound network never reach by default (vm/netguard.py): the private
 # ranges (RFC 1918), shared address space (RFC 6598: carrier NAT, overlay networks such as
 # Tailscale's), link-local (cloud metadata services at 169.254.169.254) and IPv6 unique-local
@@ -114,14 +114,17 @@ class Config:
     max_memory_mib: int = 65536
     max_disk_gib: int = 256
     max_gpus: int = 16
-    # The disk that suspended sandboxes' saved memory may take on this host, all together, in
-    # GiB: a suspend that would pass it is refused (RESOURCE_EXHAUSTED).
-    max_saved_gib: int = 64
+    max_saved_gib: int = 64  # GiB that all suspended sandboxes' saved memory may take
     # Pin vCPUs to the host CPUs of the GPUs' NUMA node when a sandbox has GPUs.
     numa_pinning: bool = True
     # Refuse GPUs the kernel cannot reset (host/discover.py): the next tenant could read the
     # last one's GPU memory. Off only where GPU memory is cleared by other means.
     require_gpu_reset: bool = True
+    gpu_sanitize: bool = True  # GPU custody (gpu/custody): off only to show the canary fail
+    gpu_scrub_hook: str = ""  # a command that clears a released GPU's memory, given its BDF
+    require_gpu_memory_clear: bool = True  # refuse to free a GPU whose memory nothing cleared
+    gpu_health_interval: float = 1.0  # seconds between the health monitor's looks at the GPUs
+    pci_sysfs: Path = Path("/sys/bus/pci/devices")  # the unit tests': a tree of plain files
     # Seconds a call waits for its turn at the host lock (vmsandbox/lock.py) before it fails
     # with DEADLINE_EXCEEDED naming the holder.
     lock_timeout: float = 60.0
@@ -162,8 +165,7 @@ class Config:
     # (FM in a service VM): the guest's NVIDIA driver must be that release.
     fabric_manager: str = "nv-fabricmanager"
     fm_version: str = ""
-    # The warm pool's shapes, from the ``[pool]`` table (sandbox/pool/shapes.py: how entries
-    # name them).
+    # The warm pool's shapes, from ``[pool]`` (sandbox/pool/shapes.py: how entries name them).
     pool: tuple[PoolShape, ...] = ()
 
     @property

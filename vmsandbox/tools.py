@@ -4,14 +4,17 @@ One way to run a tool and turn its failure into a clear error, and one way to ha
 write a file: into ``<file>.partial`` (created with the final mode before the tool writes, so a
 private file is never readable by others, not even half-written), then renamed over the file,
 so a reader never sees half a file and a crash leaves only a ``.partial`` that cleanup knows.
+vmsandbox's own small records go the same way (``write_json``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from vmsandbox.errors import FailedPrecondition, VmSandboxError
 from vmsandbox.progress import Progress
@@ -87,3 +90,19 @@ def run_streaming(
         raise VmSandboxError(
             f"{command[0]} failed (exit {proc.returncode}):\n" + "\n".join(tail[-STREAM_TAIL:])
         )
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as one line of JSON to ``path`` (0600, its folder made 0700) through
+    ``<stem>.partial``: readers see the old record or the new one. An OSError is the caller's
+    to word; the partial file is gone by then."""
+    partial = path.with_suffix(".partial")
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(data) + "\n")
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

@@ -256,8 +256,8 @@ def test_a_burst_of_creates_never_double_allocates(fx: Fixture, client) -> None:
 
 
 def test_a_refusing_host_is_tried_no_more_and_the_error_names_it(fx: Fixture, client) -> None:
-    fm = fx.cluster.root / "hgx-a" / "fm" / "unreachable"
-    fm.touch()  # hgx-a's Fabric Manager stops answering: every GPU create there fails
+    faults = fx.cluster.root / "hgx-a" / "faults.json"  # hgx-a's driver refuses every create
+    faults.write_text(json.dumps({"create_refused": "Fabric Manager does not answer"}))
     made = []
     try:
         for index in range(4):  # hgx-b has four pairs
@@ -269,12 +269,30 @@ def test_a_refusing_host_is_tried_no_more_and_the_error_names_it(fx: Fixture, cl
         with pytest.raises(grpc.RpcError) as caught:
             client.CreateSandbox(pb.CreateSandboxRequest(sandbox=fifth), timeout=120)
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "host hgx-a: UNAVAILABLE" in caught.value.details()
+        assert "host hgx-a: UNAVAILABLE: Fabric Manager does not answer" in caught.value.details()
         assert not any(c.name == model.claim_name(GATEWAY, fifth.id) for c in claims.claims())
     finally:
-        fm.unlink()
+        faults.unlink()
         for sandbox_id in made:
             client.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=sandbox_id), timeout=60)
+    assert quiet(fx) == {name: {} for name in HOSTS}
+
+
+def test_a_host_that_cannot_read_itself_is_not_ready_and_says_why(fx: Fixture) -> None:
+    assert fx.fleet is not None
+    unreachable = fx.cluster.root / "hgx-a" / "fm" / "unreachable"
+    unreachable.touch()  # hgx-a's Fabric Manager stops answering: HostInfo fails there
+    try:
+        deadline = time.monotonic() + QUIET
+        while (view := next(v for v in fx.fleet.hosts() if v.name == "hgx-a")).state == "ready":
+            assert time.monotonic() < deadline, "hgx-a stayed ready"
+            time.sleep(0.5)
+        assert view.state == "joining" and view.error  # no claim lands there, and why
+        whole, placed = fx.fleet.create_sandbox(image="tiny", memory_mib=256, gpus=8)
+        assert placed.host != "hgx-a"
+        fx.fleet.delete(whole)
+    finally:
+        unreachable.unlink()
     assert quiet(fx) == {name: {} for name in HOSTS}
 
 
@@ -394,8 +412,16 @@ def test_a_restarted_server_loses_and_duplicates_nothing(fx: Fixture, client) ->
     channel, again = stub(fx.fleet_socket)
     with channel:
         assert {sid: phase(s) for sid, s in listed(again).items()} == before
-        with pytest.raises(grpc.RpcError) as caught:
-            again.CreateSandbox(pb.CreateSandboxRequest(sandbox=wanted), timeout=120)
+        # the same request again (a gateway retrying): the same sandbox, from its host
+        again.CreateSandbox(pb.CreateSandboxRequest(sandbox=wanted), timeout=120)
+        other = pb.DriverSandbox()
+        other.CopyFrom(wanted)
+        other.spec.resource_requirements.gpu.count = 2
+        with pytest.raises(grpc.RpcError) as caught:  # another request under that id
+            again.CreateSandbox(pb.CreateSandboxRequest(sandbox=other), timeout=120)
         assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
-        assert len([s for s in listed(again) if s == wanted.id]) == 1
+        assert [where(fx, wanted.id)] == [
+            name for name in HOSTS for s in fx.host_info(name)["sandboxes"]
+            if s["labels"].get("openshell.sandbox-id") == wanted.id
+        ]  # fmt: skip
         again.DeleteSandbox(pb.DeleteSandboxRequest(sandbox_id=wanted.id), timeout=60)

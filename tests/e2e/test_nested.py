@@ -17,6 +17,13 @@ not counted.
 The crash tests run the create through tests/framework/crash_cli.py, which setup/nested.sh copies
 into L1 with the code: at checkpoint ``<stage>`` it prints ``vmsandbox-checkpoint <stage>`` on
 stderr and waits to be killed.
+
+GPU custody runs with every rule on: each card sits behind a root port of its own, so L1's kernel
+resets it with a secondary bus reset, and L1's scrub hook zeroes its video memory (which the
+emulated card keeps through a reset). The canary (tests/framework/canary.py) shows that a second
+tenant finds nothing of the first's; the fault step injects AER errors at a card's root port from
+the outer QEMU's monitor and watches the card quarantined, its sandbox failed, the other card
+serving and ``gpus check`` bringing it back.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from framework import canary
 from framework.nested_host import POOL_CONFIG, POOL_TOML, START_LIMIT, NestedHost
 from framework.paths import REPO
 
@@ -207,7 +216,7 @@ def test_two_amd_gpus_bindable_with_the_iommu_on(before: Before) -> None:
     for gpu in gpus:
         assert (gpu["vendor"], gpu["bindable"], gpu["reasons"]) == ("amd", True, [])
         assert gpu["iommu_group"] is not None and gpu["group_members"] == []
-        assert gpu["in_use_by"] is None
+        assert gpu["in_use_by"] is None and gpu["custody"] == "free"
     by_ids = {(g["vendor_id"], g["device_id"]): g["bdf"] for g in gpus}
     assert before.cards[by_ids[RV100]] == "radeon"
 
@@ -228,20 +237,36 @@ class SandboxRun:
     inventory_during: dict[str, Any] = field(default_factory=dict)
     third: Done | None = None
     third_leftovers: list[str] = field(default_factory=list)
+    canary_written: int = 0
     destroy: Done | None = None
     drivers_after: dict[str, str | None] = field(default_factory=dict)
     leftovers_after: list[str] = field(default_factory=list)
     inventory_after: dict[str, Any] = field(default_factory=dict)
+    sanitized: list[dict[str, Any]] = field(default_factory=list)
+    tenant_b: Done | None = None
+    canary_found: int | None = None
 
     @property
     def sandbox(self) -> dict[str, Any]:
         return json_of(ok(self.create))
 
 
+SANITIZE_LOG = "/var/lib/vmsandbox/custody/sanitize.jsonl"
+
+
+def sanitized(host: NestedHost) -> list[dict[str, Any]]:
+    """The sanitize log of L1's vmsandbox (vmsandbox/gpu/custody/store.py)."""
+    done = ok(host.run("sh", "-c", f"cat {SANITIZE_LOG} 2>/dev/null || true"))
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
 def sandbox_with_both_cards(host: NestedHost, cards: list[str]) -> SandboxRun:
+    """Tenant A with both cards, looked at, its cards' memory filled with a marker; destroyed
+    (each card sanitized); then tenant B on both cards searches their memory for the marker."""
     name = generate_name("t")
     create = "--json", "create", name, "--gpu", "2", *SMALL, *BOOT
     run = SandboxRun(name, vmsandbox(host, *create, limit=CREATE_LIMIT))
+    mark = canary.marker()
     if run.create.returncode == 0:
         run.ids = seen_ids(host, name)
         run.xml = ok(host.run("virsh", "dumpxml", f"vmsbx-{name}")).stdout
@@ -251,10 +276,18 @@ def sandbox_with_both_cards(host: NestedHost, cards: list[str]) -> SandboxRun:
         third = generate_name("t")
         run.third = vmsandbox(host, "--json", "create", third, "--gpu", "1", *SMALL)
         run.third_leftovers = leftovers(host, third)
+        run.canary_written = canary.probe(host.run, name, "write", mark)
     run.destroy = vmsandbox(host, "destroy", name)
     run.drivers_after = drivers(host, cards)
     run.leftovers_after = leftovers(host, name)
     run.inventory_after = inventory(host)
+    run.sanitized = sanitized(host)
+    if run.create.returncode == 0 and run.destroy.returncode == 0:
+        b = generate_name("t")
+        run.tenant_b = vmsandbox(host, "--json", "create", b, "--gpu", "2", *SMALL, *BOOT)
+        if run.tenant_b.returncode == 0:
+            run.canary_found = canary.probe(host.run, b, "count", mark)
+            ok(vmsandbox(host, "destroy", b))
     return run
 
 
@@ -305,6 +338,28 @@ def test_destroy_gives_each_card_back_to_its_driver(
     assert both.leftovers_after == []
     gpus = both.inventory_after["gpus"]
     assert all(gpu["bindable"] and gpu["in_use_by"] is None for gpu in gpus)
+
+
+def test_destroy_sanitizes_each_card_with_a_bus_reset_and_the_scrub_hook(
+    both: SandboxRun, cards: dict[str, str | None]
+) -> None:
+    assert both.sandbox
+    done = {entry["bdf"]: entry for entry in both.sanitized}
+    assert sorted(done) == sorted(cards)
+    for entry in done.values():
+        assert entry["ok"], entry
+        assert entry["notes"]["reset"] == "bus" and "scrub" in entry["steps"]
+    assert all(gpu["custody"] == "free" for gpu in both.inventory_after["gpus"])
+
+
+def test_the_next_tenant_finds_nothing_of_the_last_ones_memory(both: SandboxRun) -> None:
+    """The probe finds every byte of the marker in tenant A's cards (it can fail); after A's
+    sanitize, tenant B on the same cards finds none."""
+    assert both.sandbox
+    assert both.canary_written == 2 * 16 * 2**20  # both cards' 16 MiB, all of it marked
+    assert both.tenant_b is not None
+    ok(both.tenant_b)
+    assert both.canary_found == 0
 
 
 # -- a create killed at each stage, then reconcile ----------------------------------------------
@@ -482,6 +537,151 @@ def test_kill_mid_attach_then_reconcile_gives_the_cards_back(
     assert run.leftovers == [] and guest_leftovers == []
     assert run.drivers_after == cards
     assert run.drivers_after == cards
+
+
+# -- a fault injected at a card's root port: quarantined, its sandbox failed, the other card
+# serving, ``gpus check`` bringing it back ------------------------------------------------------
+
+QMP = REPO / "setup" / "qmp.py"
+WATCH_LOG = "/root/gpu-watch.log"
+WATCH = f"setsid nohup vmsandbox --json gpus watch > {WATCH_LOG} 2>&1 < /dev/null & echo $!"
+QUARANTINE_WAIT = 10.0  # seconds the step looks for the quarantine (the issue's bound: 5)
+RAGE128P_PORT = "gpu1"  # setup/nested.sh's id of the Rage 128 Pro's root port
+
+
+@dataclass
+class FaultRun:
+    """What one L1 showed of AER errors injected at the Rage 128 Pro's root port."""
+
+    card: str
+    x: Done
+    quarantined_s: float | None = None  # from the injection to the record written (L1's clock)
+    seen_to_applied_s: float | None = None
+    record: dict[str, Any] = field(default_factory=dict)
+    x_after: dict[str, Any] = field(default_factory=dict)
+    x_destroy: Done | None = None
+    after_auto_reset: dict[str, Any] = field(default_factory=dict)
+    second: dict[str, Any] = field(default_factory=dict)
+    two: Done | None = None
+    y: Done | None = None
+    y_exec: Done | None = None
+    check: Done | None = None
+    after_check: dict[str, Any] = field(default_factory=dict)
+    watch: str = ""  # what the health monitor printed, for the failures' messages
+
+
+def inject(state_dir: Path, error: str = "DLP") -> float:
+    """An uncorrectable AER error at the card's root port, from the outer QEMU: its time."""
+    began = time.time()
+    done = subprocess.run(
+        [sys.executable, str(QMP), str(state_dir / "qmp.sock"), "hmp",
+         f"pcie_aer_inject_error {RAGE128P_PORT} {error}"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("OK"), done.stdout + done.stderr
+    return began
+
+
+def custody_of(host: NestedHost, bdf: str) -> dict[str, Any]:
+    gpus = {gpu["bdf"]: gpu for gpu in inventory(host)["gpus"]}
+    return gpus[bdf]
+
+
+def wait_out(host: NestedHost, bdf: str, began: float, states: tuple[str, ...]) -> dict[str, Any]:
+    """The watch log's entry that moved ``bdf`` into one of ``states``, once it shows."""
+    while time.time() < began + QUARANTINE_WAIT:
+        lines = ok(host.run("sh", "-c", f"cat {WATCH_LOG}")).stdout.splitlines()
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                fresh = entry.get("applied_at", 0) >= began - 1
+                if entry.get("bdf") == bdf and entry.get("state") in states and fresh:
+                    return dict(entry)
+        time.sleep(0.5)
+    return {}
+
+
+def fault_at_a_cards_port(host: NestedHost, card: str) -> FaultRun:
+    watcher = ok(host.run("sh", "-c", WATCH)).stdout.strip()
+    try:
+        x = generate_name("t")
+        run = FaultRun(card, vmsandbox(host, "--json", "create", x, "--gpu-device", card,
+                                       *SMALL, *BOOT, limit=CREATE_LIMIT))  # fmt: skip
+        if run.x.returncode != 0:
+            return run
+        began = inject(host.state_dir)
+        entry = wait_out(host, card, began, ("suspect", "quarantined"))
+        if entry:
+            run.quarantined_s = entry["applied_at"] - began
+            run.seen_to_applied_s = entry["applied_at"] - entry["seen_at"]
+        run.record = custody_of(host, card)
+        run.x_after = json_of(ok(vmsandbox(host, "--json", "show", x)))
+        run.x_destroy = vmsandbox(host, "destroy", x)  # its release: the automatic reset
+        run.after_auto_reset = custody_of(host, card)
+        began = inject(host.state_dir)  # a second fault within a day: an operator's to check
+        wait_out(host, card, began, ("quarantined",))
+        run.second = custody_of(host, card)
+        run.two = vmsandbox(host, "--json", "create", "--gpu", "2", *SMALL, "--dry-run")
+        y = generate_name("t")
+        run.y = vmsandbox(host, "--json", "create", y, "--gpu", "1", *SMALL, *BOOT,
+                          limit=CREATE_LIMIT)  # fmt: skip
+        if run.y.returncode == 0:
+            run.y_exec = vmsandbox(host, "exec", y, "--", "true")
+        run.check = vmsandbox(host, "--json", "gpus", "check", card)
+        run.after_check = custody_of(host, card)
+        if run.y.returncode == 0:
+            ok(vmsandbox(host, "destroy", y))
+        return run
+    finally:
+        host.run("kill", watcher)
+        with contextlib.suppress(NameError):
+            run.watch = host.run("sh", "-c", f"cat {WATCH_LOG}").stdout
+
+
+@pytest.fixture(scope="module")
+def fault(host: NestedHost, cards: dict[str, str | None]) -> FaultRun:
+    [card] = [bdf for bdf, driver in cards.items() if driver is None]  # the Rage 128 Pro
+    return host.attempt("fault at a card's port", lambda: fault_at_a_cards_port(host, card))
+
+
+def test_a_fault_at_the_cards_port_quarantines_it_within_5_s(fault: FaultRun) -> None:
+    ok(fault.x)
+    assert fault.quarantined_s is not None, f"no quarantine seen within 10 s:\n{fault.watch}"
+    assert fault.quarantined_s < 5
+    assert fault.seen_to_applied_s is not None and fault.seen_to_applied_s < 5
+    assert fault.record["custody"] == "suspect"
+    assert fault.record["custody_reason"].startswith("AER: fatal error at its port")
+
+
+def test_the_sandbox_on_the_quarantined_card_is_failed_with_the_reason(fault: FaultRun) -> None:
+    assert fault.x_after["state"] == "failed"
+    failure = fault.x_after["failure"]
+    assert failure["reason"] == "GpuQuarantined" and fault.card in failure["message"]
+
+
+def test_its_release_is_the_automatic_reset(fault: FaultRun) -> None:
+    assert fault.x_destroy is not None
+    ok(fault.x_destroy)
+    assert fault.after_auto_reset["custody"] == "free"
+
+
+def test_a_second_fault_waits_for_an_operator_and_the_other_card_serves(
+    fault: FaultRun,
+) -> None:
+    assert fault.second["custody"] == "quarantined"
+    assert fault.two is not None and fault.two.returncode == 5
+    assert "1 matching GPU is quarantined" in json_of(fault.two)["error"]["message"]
+    assert fault.y is not None
+    y = json_of(ok(fault.y))
+    assert [gpu["bdf"] for gpu in y["gpus"]] != [fault.card] and y["state"] == "ready"
+    assert fault.y_exec is not None and fault.y_exec.returncode == 0
+
+
+def test_gpus_check_brings_the_recovered_card_back(fault: FaultRun) -> None:
+    assert fault.check is not None
+    checked = json_of(ok(fault.check))
+    assert checked["state"] == "free" and "reset" in checked["steps"]
+    assert fault.after_check["custody"] == "free"
 
 
 # -- last: after the holder exits, L1's radeon driver cannot be trusted with the card --------

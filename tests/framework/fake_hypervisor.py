@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+from framework import fake_sysfs
 from lxml import etree
 
 from vmsandbox.config import Config
@@ -373,8 +374,9 @@ IMAGE_ID = "00000000000000aa"
 
 
 def unit_config(tmp_path: Path, **overrides: object) -> Config:
-    """A config for manager unit tests on the fake hypervisor: a state directory and an image
-    store holding one 16 MiB qcow2 image, ``tiny``."""
+    """A config for manager unit tests on the fake hypervisor: a state directory, an image
+    store holding one 16 MiB qcow2 image, ``tiny``, and GPU custody's sysfs in a fake tree
+    where every fake host's GPU resets well (framework/fake_sysfs.py)."""
     build = tmp_path / "images" / "tiny" / IMAGE_ID
     build.mkdir(parents=True)
     subprocess.run(
@@ -389,5 +391,5 @@ def unit_config(tmp_path: Path, **overrides: object) -> Config:
         state_dir=tmp_path / "state",
         image_dir=tmp_path / "images",
         virt_type="qemu",
-        **overrides,
+        **{"pci_sysfs": fake_sysfs.shared(), **overrides},
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import secrets
 import shutil
@@ -94,6 +95,7 @@ class Host:
     socket: Path
     join: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    seen: int = 0  # where the latest join's lines begin in the log
 
 
 @dataclass
@@ -145,16 +147,20 @@ class Cluster:
             self.root / "head.log",
         )  # fmt: skip
 
-    def join(self, name: str, socket_path: Path) -> Host:
-        """Start ``vmsandbox fleet join`` for host ``name`` (not waited for: ``wait_joined``)."""
+    def join(self, name: str, socket_path: Path, machine: str | None = None) -> Host:
+        """Start ``vmsandbox fleet join`` for host ``name`` (not waited for: ``wait_joined``) on
+        ``machine`` (its key in ``root/machine/``; default: the host's own folder)."""
         log = self.root / f"join-{name}.log"
         host = self.hosts.get(name) or Host(name, socket_path)
         host.socket, host.log = socket_path, log
+        host.seen = log.stat().st_size if log.exists() else 0
+        key = self.root / (machine or name) / "machine.key"
         host.join = self._spawn(
             [
                 sys.executable, "-m", "vmsandbox.cli", "fleet", "join", self.address,
                 "--openshell-socket", str(socket_path), "--name", name,
                 "--temp-dir", str(self.root / f"r-{name}"),  # one per node: no shared sockets
+                "--machine-key", str(key),
             ],
             log,
         )  # fmt: skip
@@ -166,7 +172,7 @@ class Cluster:
         for name in names:
             host = self.hosts[name]
             assert host.log is not None and host.join is not None
-            while "joined the fleet" not in host.log.read_text():
+            while "joined the fleet" not in host.log.read_text()[host.seen :]:
                 if host.join.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError(f"host {name} did not join: {host.log.read_text()}")
                 time.sleep(0.2)
@@ -223,12 +229,16 @@ def start_fake_host(
     root: Path, name: str, umockdev: str, fabric: str, pooled: int, metrics_port: int
 ) -> tuple[subprocess.Popen[bytes], Path]:
     """Host ``name``'s driver (tests/framework/fleet_host.py) under umockdev host ``umockdev``, once
-    its socket is there; its files under ``root/name``."""
+    it serves; its files under ``root/name``. Started again on the same ``root`` (after
+    ``kill_driver``), it finds the domains it had, as a restarted ``vmsandbox serve`` finds
+    libvirt's."""
     from framework.fake_hosts import umockdev_run
 
     socket_path = root / name / "driver.sock"
-    socket_path.parent.mkdir(parents=True)
+    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    socket_path.unlink(missing_ok=True)  # a killed driver's
     log_path = root / f"driver-{name}.log"
+    seen = log_path.stat().st_size if log_path.exists() else 0
     with umockdev_run(umockdev) as (prefix, env), log_path.open("ab") as log:
         process = subprocess.Popen(
             [
@@ -243,11 +253,18 @@ def start_fake_host(
             start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + START_TIMEOUT
-        while not socket_path.exists():  # umockdev-run has read the device files by then
+        while b"serving" not in log_path.read_bytes()[seen:]:  # umockdev-run has read the devices
             if process.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"host {name} did not start: {log_path.read_text()}")
             time.sleep(0.1)
     return process, socket_path
+
+
+def kill_driver(process: subprocess.Popen[bytes]) -> None:
+    """A host's driver dies at once (SIGKILL to its session: umockdev-run and the driver);
+    its domains stay in its state file, as libvirt's outlive ``vmsandbox serve``."""
+    kill_session(process.pid)
+    process.wait()
 
 
 @contextlib.contextmanager
@@ -255,9 +272,9 @@ def cluster(prefix: str) -> Iterator[Cluster]:
     """A cluster's folder and head, closed and removed at the end (the caller is already in
     its own network: ``own_network``). Keep ``prefix`` short: Ray's socket paths under the
     folder must fit in the 107 bytes of a Unix socket address."""
-    root = Path(
-        tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-    )
+    # Not under /dev: umockdev-run takes every file a host opens under /dev/ for a device
+    # and tracks at most 50 at once, so a host's lock tickets there would overflow it.
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     made = Cluster.make(root)
     try:
         made.start_head()
@@ -269,4 +286,81 @@ def cluster(prefix: str) -> Iterator[Cluster]:
             Path(keep).mkdir(parents=True, exist_ok=True)
             for log in root.glob("*.log"):
                 shutil.copy(log, Path(keep) / log.name)
+            for log in root.glob("r-*/session_*/logs/*"):  # each node's Ray processes
+                if log.suffix in (".err", ".out", ".log") and log.stat().st_size:
+                    shutil.copy(log, Path(keep) / f"{log.parts[-4]}-{log.name}")
         shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass
+class FakeFleet:
+    """A cluster of fake hosts (``start_fake_host``) and one fleet server per gateway, for the
+    tests that break parts of it: each host's driver can be killed and started again on its
+    files, and each host is judged by its own records (``domains``), never through the fleet."""
+
+    cluster: Cluster
+    hosts: dict[str, tuple[str, str, int]]  # name -> (umockdev host, fabric, pooled guests)
+    drivers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    sockets: dict[str, Path] = field(default_factory=dict)
+    fleet_sockets: dict[str, Path] = field(default_factory=dict)  # gateway -> its server's
+    servers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)  # by gateway
+    serve_args: tuple[str, ...] = ()
+
+    def start_driver(self, name: str) -> None:
+        process, socket_path = start_fake_host(
+            self.cluster.root, name, *self.hosts[name], free_port()
+        )
+        self.drivers[name], self.sockets[name] = process, socket_path
+
+    def kill_driver(self, name: str) -> None:
+        kill_driver(self.drivers[name])
+
+    def domains(self, name: str) -> list[dict]:
+        """Host ``name``'s domains as its own (fake) libvirt keeps them."""
+        from framework.fleet_host import domains
+
+        return domains(self.cluster.root / name)
+
+    def fault(self, name: str, **faults: object) -> None:
+        """Inject ``faults`` into host ``name`` (none: clear them); fleet_host.py reads them."""
+        from framework.fleet_host import FAULTS
+
+        (self.cluster.root / name / FAULTS).write_text(json.dumps(faults))
+
+    def serve(self, gateway: str) -> None:
+        """(Again) a fleet server for ``gateway``, on its socket."""
+        path = self.fleet_sockets.setdefault(gateway, self.cluster.root / f"fleet-{gateway}.sock")
+        self.servers[gateway] = self.cluster.serve(path, gateway, *self.serve_args)
+
+    def kill_server(self, gateway: str) -> None:
+        """``gateway``'s fleet server dies at once (SIGKILL)."""
+        kill_session(self.servers[gateway].pid)
+        self.servers[gateway].wait()
+
+    def close(self) -> None:
+        self.cluster.close()
+        for process in self.drivers.values():
+            stop(process)
+
+
+@contextlib.contextmanager
+def fake_fleet(
+    prefix: str,
+    hosts: dict[str, tuple[str, str, int]],
+    gateways: tuple[str, ...],
+    *serve_args: str,
+) -> Iterator[FakeFleet]:
+    """``hosts`` joined and a fleet server for each of ``gateways`` (with ``serve_args``), in
+    a network of this process's own; all of it stopped at the end."""
+    with own_network(), cluster(prefix) as made:
+        fleet = FakeFleet(made, dict(hosts), serve_args=serve_args)
+        try:
+            for name in hosts:
+                fleet.start_driver(name)
+                made.join(name, fleet.sockets[name])
+            made.wait_joined(*hosts)
+            for gateway in gateways:
+                fleet.serve(gateway)
+            yield fleet
+        finally:
+            fleet.close()

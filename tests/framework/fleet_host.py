@@ -12,6 +12,17 @@ Run as ``fleet_host.py --socket PATH --root DIR --fabric shared|full|none [--poo
   guests (``--pool N``: a shape of the image ``tiny`` with 256 MiB, N guests, no GPUs) are
   made by the fill steps without waiting for SSH, and a claim skips the hostname step, which
   needs a guest. The pool is filled at start and refilled in this process after each claim.
+- The domains outlive the process, as libvirt's outlive ``vmsandbox serve``: every change is
+  written to ROOT/domains.json (``STATE``), which a driver started again on ROOT reads back
+  (and reconciles, as ``vmsandbox serve`` does at start: a killed driver's half-made creates
+  are taken apart), and which the tests read to judge a host by its own records
+  (``domains``).
+- Faults for the tests, read from ROOT/faults.json (``FAULTS``) at each call:
+  ``{"create_delay": S}`` answers a CreateSandbox S seconds after the sandbox was made (a host
+  whose create goes on past its caller's deadline); ``{"create_refused": MESSAGE}`` refuses
+  every CreateSandbox with UNAVAILABLE and MESSAGE, as the driver refuses what its host cannot
+  make now (a host that stays ready); ``{"info_delay": S}`` answers HostInfo S seconds late (a
+  busy host: every agent call that reads it is slow).
 
 Everything else is vmsandbox's own code: the allocator, Fabric Manager partitions through
 fmpm, the host lock, the records in the fake domains, the socket's peer gate; the fleet's
@@ -22,6 +33,8 @@ agents run as this uid, which the host trusts to speak for gateways
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +43,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -40,9 +54,10 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for framework.*
 
 from framework import paths
-from framework.fake_hypervisor import FakeHypervisor, unit_config
+from framework.fake_hypervisor import FakeDomain, FakeHypervisor, unit_config
 from framework.openshell_client import Unwatched
 
+from vmsandbox.errors import Unavailable
 from vmsandbox.openshell.hostinfo import HostInfo
 from vmsandbox.openshell.metrics import HostMetrics
 from vmsandbox.openshell.proto import compute_driver_pb2_grpc as pb_grpc
@@ -57,26 +72,84 @@ from vmsandbox.sandbox.record import STATE_READY
 
 FIXTURES = paths.FIXTURES / "fmpm"
 DRIVER = "535.216.01"  # the NVIDIA driver the image records and the fake FM reports
+STATE = "domains.json"  # in the host's root: its domains, as libvirt keeps them
+FAULTS = "faults.json"  # in the host's root: the faults the tests inject
+# The methods that change the domains: each is followed by a write of STATE.
+CHANGES = ("define", "start", "stop", "shutdown", "undefine", "set_metadata", "attach", "detach")
 
 
 class SharedHypervisor(FakeHypervisor):
     """The fake hypervisor shared by the driver's threads: one call at a time, as libvirtd
-    serializes what it changes. Every public method is wrapped when the instance is made (a
-    dataclass's ``__init__`` calls no ``__post_init__`` that its own class lacks)."""
+    serializes what it changes, its domains kept in ``state`` (read back when it exists).
+    Every public method is wrapped when the instance is made (a dataclass's ``__init__``
+    calls no ``__post_init__`` that its own class lacks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, state: Path) -> None:
         super().__init__()
+        self._state = state
         self._lock = threading.RLock()
+        if state.exists():
+            self.domains = {
+                entry["name"]: FakeDomain(**entry["domain"])
+                for entry in json.loads(state.read_text())
+            }
         for name, method in vars(FakeHypervisor).items():
             if callable(method) and not name.startswith("_"):
-                setattr(self, name, self._locked(getattr(self, name)))
+                setattr(self, name, self._locked(getattr(self, name), name in CHANGES))
 
-    def _locked(self, method: Callable[..., Any]) -> Callable[..., Any]:
+    def _locked(self, method: Callable[..., Any], changes: bool) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             with self._lock:
-                return method(*args, **kwargs)
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    if changes:
+                        self._save()
 
         return call
+
+    def _save(self) -> None:
+        kept = [
+            {"name": name, "domain": dataclasses.asdict(domain)}
+            for name, domain in self.domains.items()
+        ]
+        temporary = self._state.with_suffix(".tmp")
+        temporary.write_text(json.dumps(kept))
+        temporary.replace(self._state)
+
+
+def domains(root: Path) -> list[dict[str, Any]]:
+    """Host ``root``'s domains as its fake libvirt keeps them: name, uuid, running, the
+    sandbox record (``data``: labels, owner) and the PCI addresses its definitions hold."""
+    from vmsandbox.host.holders import hostdev_addresses
+
+    state = root / STATE
+    if not state.exists():
+        return []
+    found = []
+    for entry in json.loads(state.read_text()):
+        domain = entry["domain"]
+        held: dict[str, None] = {}
+        for xml in (domain["next_xml"], domain["xml"]):
+            if xml is not None:
+                held.update(dict.fromkeys(hostdev_addresses(xml)))
+        found.append(
+            {
+                "name": entry["name"],
+                "uuid": domain["uuid"],
+                "running": domain["running"],
+                "data": domain["data"] or {},
+                "gpus": list(held),
+            }
+        )
+    return found
+
+
+def faults(root: Path) -> dict[str, Any]:
+    """The faults injected into host ``root`` now (FAULTS; none when it is absent)."""
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        return dict(json.loads((root / FAULTS).read_text()))
+    return {}
 
 
 class InstantReadiness(Readiness):
@@ -88,12 +161,38 @@ class InstantReadiness(Readiness):
             manager.store.commit(found, lambda record: record, STATE_READY)
 
 
-class FakeGuests(ComputeDriver):
-    """The driver, with guests that are ready as soon as they start."""
+class SlowInfo(HostInfo):
+    """HostInfo, as late as the faults of ``root`` say."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, root: Path, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.root = root
+
+    def GetHostInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
+        time.sleep(float(faults(self.root).get("info_delay", 0)))
+        return super().GetHostInfo(request, context)
+
+
+class FakeGuests(ComputeDriver):
+    """The driver, with guests that are ready as soon as they start, and the faults of
+    ``root`` (``faults``)."""
+
+    def __init__(self, root: Path, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.root = root
         self.readiness = InstantReadiness(self._manager, self.launches, self.tunnels)
+
+    def CreateSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
+        refused = faults(self.root).get("create_refused")
+        if refused:
+            return self._call(context, "CreateSandbox", lambda: _refuse(str(refused)))
+        answer = super().CreateSandbox(request, context)
+        time.sleep(float(faults(self.root).get("create_delay", 0)))
+        return answer
+
+
+def _refuse(message: str) -> None:
+    raise Unavailable(message)
 
 
 def fill(manager: SandboxManager) -> None:
@@ -140,10 +239,11 @@ def main() -> None:
         )
     if args.pool:
         overrides["pool"] = {"small": {"image": "tiny", "memory_mib": 256, "count": args.pool}}
+    shutil.rmtree(root / "images", ignore_errors=True)  # made again: a restart finds it
     config = unit_config(root, **overrides)
     meta = next(config.images.glob("tiny/*/meta.json"))
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "nvidia_driver_version": DRIVER}))
-    hypervisor = SharedHypervisor()
+    hypervisor = SharedHypervisor(root / STATE)
 
     def manager() -> SandboxManager:
         return SandboxManager(config, hypervisor=hypervisor, reconcile=False)
@@ -169,10 +269,10 @@ def main() -> None:
     if metrics is not None:
         metrics.serve(args.metrics_address)
     peers = Peers()
-    pb_grpc.add_ComputeDriverServicer_to_server(
-        FakeGuests(config, Unwatched(), manager=manager, peers=peers), server
-    )
-    info_grpc.add_HostInfoServicer_to_server(HostInfo(config, manager, peers=peers), server)
+    driver = FakeGuests(root, config, Unwatched(), manager=manager, peers=peers)
+    driver.resume()  # as `vmsandbox serve` starts: a killed driver's half-made creates go
+    pb_grpc.add_ComputeDriverServicer_to_server(driver, server)
+    info_grpc.add_HostInfoServicer_to_server(SlowInfo(root, config, manager, peers=peers), server)
     backend = Path(tempfile.mkdtemp(prefix="vmsbx-grpc-")) / "grpc.sock"
     server.add_insecure_port(f"unix:{backend}")
     stop = threading.Event()

@@ -9,12 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from framework import fake_sysfs
+
 from vmsandbox.config import Config
 
 IMAGES = Path(os.environ.get("VMSANDBOX_IMAGE_DIR", "/var/lib/vmsandbox/images"))
 
 
 def make_config(state_dir: Path, **overrides: object) -> Config:
+    """A configuration of the real libvirtd with a state directory of the test's own; GPU
+    custody resets and reads the fake hosts' GPUs in a fake sysfs (framework/fake_sysfs.py),
+    never a device of this machine."""
     return Config.load(
         path="/nonexistent",
         uri="qemu:///system",
@@ -22,15 +27,16 @@ def make_config(state_dir: Path, **overrides: object) -> Config:
         image_dir=IMAGES,
         virt_type="qemu",
         boot_timeout=600,  # TCG on a busy 2-core machine: generous, the tests assert no timing
-        **overrides,
+        **{"pci_sysfs": fake_sysfs.shared(), **overrides},
     )
 
 
 def cli_env(config: Config, **extra: str) -> dict[str, str]:
-    """The environment of a CLI process that works on ``config``'s libvirt and state directory."""
+    """The environment of a CLI process that works on ``config``'s libvirt and state directory
+    (and its GPU custody's sysfs: a config file says it, no variable does)."""
     env = dict(os.environ)
     env.update(
-        VMSANDBOX_CONFIG="/nonexistent",
+        VMSANDBOX_CONFIG=config_file(config),
         VMSANDBOX_URI=config.uri,
         VMSANDBOX_STATE_DIR=str(config.state_dir),
         VMSANDBOX_IMAGE_DIR=str(config.images),
@@ -39,6 +45,17 @@ def cli_env(config: Config, **extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+def config_file(config: Config) -> str:
+    """A config file of the keys no environment variable sets (``pci_sysfs``), in the state
+    directory; "/nonexistent" when they are the defaults."""
+    if config.pci_sysfs == Path("/sys/bus/pci/devices"):
+        return "/nonexistent"
+    file = config.state_dir / "test-config.toml"
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(f'pci_sysfs = "{config.pci_sysfs}"\n')
+    return str(file)
 
 
 def cli(

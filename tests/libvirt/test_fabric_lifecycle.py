@@ -187,12 +187,15 @@ def test_reconcile_with_fm_down_reports_and_keeps_the_lease(host: FabricHost) ->
             (host.fm / "unreachable").touch()
             done = host.run("reconcile", "--json", fake_host=False)
             assert done.returncode == 1, done.stderr  # reconcile's status when it could not fix
-            [problem] = json.loads(done.stdout)["problems"]
-            assert "cannot be reached" in problem
+            fabric, gpu = json.loads(done.stdout)["problems"]
+            assert "cannot be reached" in fabric
+            # its GPU is not reset under an active partition: it waits, not free
+            assert "waits to be sanitized" in gpu and "still active" in gpu
             assert host.ledger() == [lease]
             (host.fm / "unreachable").unlink()
             done = host.run("reconcile", "--json", fake_host=False)
             assert json.loads(done.stdout)["fabric_partitions"] == [lease.split(".")[0]]
+            assert json.loads(done.stdout)["problems"] == []  # deactivated, then sanitized
             assert host.active() == [] and host.ledger() == []
         finally:
             stop_and_clean(proc, host.config, name)

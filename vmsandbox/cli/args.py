@@ -142,9 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="minimum memory per GPU, e.g. 80Gi (binary) or 80GB (decimal)",
     )
 
-    sub.add_parser(
-        "gpus", parents=common, help="list this host's GPUs and whether they can be passed"
+    gpus = sub.add_parser(
+        "gpus",
+        parents=common,
+        help="list this host's GPUs, whether they can be passed and their custody state",
     )
+    gpus.add_argument(
+        "gpus_command",
+        nargs="?",
+        choices=("check", "release", "watch"),
+        help="check BDF: reset, re-check and free a quarantined GPU; release BDF --force: "
+        "free one without a reset (logged); watch: the health monitor, in the foreground",
+    )
+    gpus.add_argument("bdf", nargs="?", help="the GPU: PCI address, index or UUID")
+    gpus.add_argument("--force", action="store_true", help="release: free it without a reset")
     sub.add_parser("list", parents=common, help="list sandboxes")
     sub.add_parser("show", parents=common, help="show one sandbox").add_argument("name")
 

@@ -279,18 +279,10 @@ def _cmd_verify(args: argparse.Namespace, out: Output) -> int:
     return 0 if report["ok"] else EXIT_CODES["FAILED_PRECONDITION"]
 
 
-def _cmd_gpus(_args: argparse.Namespace, out: Output) -> int:
-    from vmsandbox.gpu.fabric.render import report
-    from vmsandbox.host import render_table
+def _cmd_gpus(args: argparse.Namespace, out: Output) -> int:
+    from vmsandbox.cli import gpus
 
-    with common.manager() as manager:
-        inventory = manager.gpus()
-        fabric_text, fabric = report(manager.config, inventory)
-    out.result(
-        {**inventory.to_dict(), "nvswitch_fabric": fabric},
-        (render_table(inventory) + fabric_text).rstrip("\n"),
-    )
-    return 0
+    return gpus.run(args, out)
 
 
 def _cmd_reconcile(_args: argparse.Namespace, out: Output) -> int:

@@ -7,9 +7,11 @@ Parts and where they run (docs/fleet.md has the whole picture):
   agent actor (``agent``), which talks to the host's driver socket and keeps the host's pinned
   claim;
 - on the gateway's machine, ``vmsandbox fleet serve`` (``server``, ``service``): one compute
-  driver for the whole fleet, over ``Fleet`` (``core``), which places creates (``placement``)
-  as Ray claims (``claims``) and watches the hosts (``hosts``), with Prometheus metrics
-  (``metrics``) and the ``vmsandbox fleet`` commands (``cli``).
+  driver for the whole fleet, over ``Fleet`` (``core``), which places creates (``create``,
+  ``placement``) as Ray claims (``claims``) under each sandbox's placement record, kept in
+  Ray's control store with the hosts' name bindings (``records``), and watches the hosts
+  (``hosts``), with Prometheus metrics (``metrics``) and the ``vmsandbox fleet`` commands
+  (``cli``).
 
 Ray is needed only by the modules that talk to the cluster (``pip install
 'vmsandbox[fleet]'``); importing this package, ``model`` or ``cli`` does not load it. Token

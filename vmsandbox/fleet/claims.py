@@ -3,6 +3,9 @@ them, so a fleet server restart keeps them) and named (model.py's names), in the
 namespace. Also Ray's nodes as hosts, and Ray's free amounts per host, computed from Ray's own
 records: a node's totals less the bundles of every claim placed on it.
 
+Also which Ray jobs still run (``live_jobs``): a placement record names the fleet process
+whose create works on it, and a record or claim whose process is dead is nobody's.
+
 Ray is imported here and in the other modules of this package that talk to the cluster; the
 fleet's pure model (model.py) and the CLI never import it.
 """
@@ -162,6 +165,24 @@ def ray_free(node: Node, placed: list[Claim], agents: int = 1) -> dict[str, floa
     if host_key in free:
         free[host_key] -= agents
     return free
+
+
+def find(name: str) -> Claim | None:
+    """Live claim ``name``, or None."""
+    return next((claim for claim in claims() if claim.name == name), None)
+
+
+def this_job() -> str:
+    """This process's Ray job id (hex): whose creates a placement record names."""
+    return str(ray.get_runtime_context().get_job_id())
+
+
+def live_jobs() -> set[str]:
+    """The Ray jobs (fleet processes, agents' drivers) that still run. Ray marks a job dead
+    as soon as its driver process's connection drops (a SIGKILL included)."""
+    from ray._private import state
+
+    return {job["JobID"] for job in state.jobs() if not job["IsDead"]}
 
 
 def wait_gone(name: str, timeout: float) -> bool:

@@ -64,6 +64,12 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     join.add_argument("--name", help="the host's name in the fleet (default: the host name)")
     join.add_argument("--node-ip", help="this host's address on the fleet's private network")
     join.add_argument("--temp-dir", help="Ray's folder for this node (default: Ray's, /tmp/ray)")
+    join.add_argument(
+        "--machine-key",
+        metavar="FILE",
+        help="this machine's key, which the host's name is bound to (default: "
+        "fleet/machine.key under the state directory; made at the first join)",
+    )
 
     serve = command("serve", "serve the fleet as one OpenShell compute driver (foreground)")
     serve.add_argument("--openshell-socket", metavar="PATH", required=True)
@@ -87,6 +93,10 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     destroy = command("destroy", "delete sandboxes by id")
     destroy.add_argument("ids", nargs="+")
     command("hosts", "each host's state, capacity and use")
+    release = command(
+        "release", "a host's machine is gone for good: free its name, forget its sandboxes"
+    )
+    release.add_argument("host", help="the host's name in the fleet")
 
 
 def run(args: argparse.Namespace, out: Any) -> int:
@@ -101,6 +111,7 @@ def run(args: argparse.Namespace, out: Any) -> int:
             name,
             node_ip=args.node_ip,
             temp_dir=args.temp_dir,
+            key_path=args.machine_key,
         )
     if args.fleet_command == "serve":
         from vmsandbox.fleet.server import serve
@@ -177,11 +188,27 @@ def _hosts(fleet: Any, _args: argparse.Namespace, out: Any) -> int:
             ", ".join(f"{p['key']} {p['ready']}/{p['count']}" for p in h["pool"]) or "-",
             str(h["sandboxes"]),
             json.dumps(h["drift"]) if h["drift"] else "0",
+            h["error"] or "-",
         ]
         for h in hosts
     ]
     headers = ["HOST", "STATE", "FABRIC", "GPUS FREE", "MODELS", "FREE BY SIZE", "POOL"]
-    out.result(hosts, _table([*headers, "SANDBOXES", "DRIFT"], rows))
+    out.result(hosts, _table([*headers, "SANDBOXES", "DRIFT", "ERROR"], rows))
+    return 0
+
+
+def _release(_fleet: Any, args: argparse.Namespace, out: Any) -> int:
+    from vmsandbox.fleet.join import release
+
+    forgotten = release(args.host)
+    data = {
+        "host": args.host,
+        "forgotten": [{"gateway": r.gateway, "id": r.sandbox_id} for r in forgotten],
+    }
+    text = f"host {args.host} released: its name is free" + "".join(
+        f"\nforgot sandbox {r.sandbox_id} of gateway {r.gateway}" for r in forgotten
+    )
+    out.result(data, text)
     return 0
 
 
@@ -191,4 +218,10 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(render_grid(headers, rows))
 
 
-_COMMANDS = {"create": _create, "list": _list, "destroy": _destroy, "hosts": _hosts}
+_COMMANDS = {
+    "create": _create,
+    "list": _list,
+    "destroy": _destroy,
+    "hosts": _hosts,
+    "release": _release,
+}

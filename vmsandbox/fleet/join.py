@@ -2,11 +2,21 @@
 SIGTERM or SIGINT.
 
 1. Read what the host has from its own driver socket (``vmsandbox serve``'s HostInfo).
-2. Start a Ray node (``ray start --block``, a child process) that joins the cluster at ADDRESS
+2. Bind the host's name to this machine (records.py): the digest of its *machine key*, a
+   random secret made at the first join (``--machine-key``, default MACHINE_KEY under the
+   state directory). Another machine under a name bound to a different key is refused, live
+   or lost, until an operator releases the name (``release``): a lost host's sandboxes are
+   never taken for another machine's.
+3. Start a Ray node (``ray start --block``, a child process) that joins the cluster at ADDRESS
    with the host's capacity as resources and labels (model.py names them), no CPUs or GPUs of
    Ray's own (nothing else is scheduled there) and a small object store.
-3. Start the host's agent actor on that node (agent.py), and wait until it is ready: the host's
-   pinned claim placed, so survivors of an earlier run are covered before new work comes.
+4. Start the host's agent actor on that node (agent.py), with its concurrency groups (ping
+   never waits behind a create), and wait until it is ready: the host's pinned claim placed,
+   so survivors of an earlier run are covered before new work comes.
+
+``release NAME`` (``vmsandbox fleet release``) says a host's machine is gone for good: its
+name is unbound and the fleet forgets the sandboxes recorded on it; refused while the host is
+in the fleet.
 
 On SIGTERM the agent gives its pinned claim back and the node stops. Ray's token
 authentication must be on (``RAY_AUTH_MODE=token`` and a token); without it the command
@@ -15,9 +25,11 @@ refuses to start, since anyone who reaches a Ray port could run code on the host
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,7 +40,8 @@ from typing import Any
 
 import grpc
 
-from vmsandbox.errors import AlreadyExists, DeadlineExceeded, Unavailable
+from vmsandbox.config import Config
+from vmsandbox.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
 from vmsandbox.fleet import model
 from vmsandbox.fleet.auth import check_token_auth
 from vmsandbox.openshell.dial import Checked
@@ -39,6 +52,30 @@ log = logging.getLogger("vmsandbox.fleet")
 JOIN_TIMEOUT = 120.0  # seconds for the node to register and the agent to be ready
 OBJECT_STORE_BYTES = 100 * 2**20  # the agent moves small messages only
 _STOP_GRACE = 30.0  # seconds the Ray node gets to stop
+MACHINE_KEY = "fleet/machine.key"  # under the state directory: this machine's key
+
+
+def machine_key(path: str | os.PathLike[str] | None = None) -> str:
+    """The digest of this machine's key, kept in ``path`` (default: MACHINE_KEY under the
+    state directory), made (0600) at the first call."""
+    where = Path(path) if path else Config.load().state_dir / MACHINE_KEY
+    try:
+        key = where.read_text().strip()
+    except FileNotFoundError:
+        where.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        key = secrets.token_hex(32)
+        try:
+            with os.fdopen(os.open(where, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+                out.write(key + "\n")
+        except FileExistsError:  # another join made it meanwhile
+            key = where.read_text().strip()
+    if not key:
+        raise FailedPrecondition(
+            f"the machine key {where} is empty: remove it to make a new one (the host's name "
+            "must then be released first)",
+            details={"field": "machine_key", "value": str(where)},
+        )
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
 def read_host(socket_path: str, timeout: float = 30.0, *, wait: bool = True) -> dict:
@@ -107,20 +144,23 @@ def join(
     *,
     node_ip: str | None = None,
     temp_dir: str | None = None,
+    key_path: str | None = None,
     stop: threading.Event | None = None,
 ) -> int:
     """Join the fleet at ``address`` as host ``name`` until ``stop`` is set (SIGTERM/SIGINT when
     not given); returns the exit status."""
     import ray
 
-    from vmsandbox.fleet.agent import HostAgent
+    from vmsandbox.fleet import agent as agent_module
     from vmsandbox.fleet.claims import live_nodes
+    from vmsandbox.fleet.records import Records
 
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
     )
     check_token_auth()
     name = model.check_host_name(name)
+    key = machine_key(key_path)
     info = read_host(socket_path)
     totals = model.host_totals(name, info)
     labels = model.host_labels(name, info)
@@ -130,6 +170,8 @@ def join(
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
     try:
+        records = Records()
+        records.bind(name, key)  # another machine's name is refused, live or lost
         if name in live_nodes():
             raise AlreadyExists(
                 f"host {name} is already in the fleet at {address}: stop its other "
@@ -145,15 +187,18 @@ def join(
         )
         try:
             _wait_node(name, node)
+            records.bind(name, key, live_nodes()[name].node_id)
+            groups = agent_module.CONCURRENCY_GROUPS
+            remote = ray.remote(concurrency_groups=groups)  # type: ignore[call-overload]
             agent = (
-                ray.remote(HostAgent)
+                remote(agent_module.HostAgent)
                 .options(
                     name=model.agent_name(name),
                     namespace=model.NAMESPACE,
                     lifetime="detached",
                     num_cpus=0,
                     resources={model.HOST + name: 1.0},
-                    max_concurrency=32,
+                    max_concurrency=agent_module.CALLS,
                     max_restarts=0,
                 )
                 .remote(name, str(Path(socket_path).resolve()), totals)
@@ -172,6 +217,31 @@ def join(
             _stop_node(node)
     finally:
         ray.shutdown()
+
+
+def release(name: str) -> list[model.Record]:
+    """Host ``name``'s machine is gone for good: unbind the name and forget the sandboxes
+    recorded on it (their claims removed); the records forgotten. FAILED_PRECONDITION while
+    the host is in the fleet (the process is connected to the cluster)."""
+    from vmsandbox.fleet import claims
+    from vmsandbox.fleet.records import Records
+
+    name = model.check_host_name(name)
+    if name in claims.live_nodes():
+        raise FailedPrecondition(
+            f"host {name} is in the fleet now: stop its `vmsandbox fleet join` first; release "
+            "is for a machine that is gone for good",
+            details={"field": "name", "value": name},
+        )
+    forgotten = Records().release(name)
+    for record in forgotten:
+        claims.remove(model.claim_name(record.gateway, record.sandbox_id))
+    claims.remove(model.pin_name(name))
+    log.warning(
+        "host %s released: its name is free, %d sandboxes recorded on it forgotten",
+        name, len(forgotten),
+    )  # fmt: skip
+    return forgotten
 
 
 def _leave(address: str, name: str) -> None:

@@ -6,6 +6,8 @@ standard Python client, in a registry of their own:
   host reports them; ``vmsandbox_fleet_slots_free{host,gpus}``: sandboxes of that many GPUs the
   host could still place (Fabric Manager partitions on shared NVSwitch boards);
   ``vmsandbox_fleet_pool_ready{host,shape}``: ready pooled guests;
+- ``vmsandbox_fleet_gpu_custody{host,state}``: each host's GPUs by custody state (free,
+  assigned, sanitizing, suspect, quarantined, resetting, failed);
 - ``vmsandbox_fleet_drift{host}``: the sum over resources of |Ray's free - the host's free|
   (0 once quiet);
 - ``vmsandbox_fleet_create_seconds``, ``vmsandbox_fleet_claim_seconds``,
@@ -19,6 +21,7 @@ from typing import Any
 
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.fleet.model import HostView
+from vmsandbox.gpu.custody.state import STATES as CUSTODY_STATES
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -56,6 +59,12 @@ class FleetMetrics:
         )
         self.pool = prom.Gauge(
             "vmsandbox_fleet_pool_ready", "Ready pooled guests", ["host", "shape"], registry=r
+        )
+        self.custody = prom.Gauge(
+            "vmsandbox_fleet_gpu_custody",
+            "GPUs by host and custody state",
+            ["host", "state"],
+            registry=r,
         )
         self.drift = prom.Gauge(
             "vmsandbox_fleet_drift",
@@ -100,10 +109,16 @@ class FleetMetrics:
             held: dict[tuple[str, str], int] = {}
             for gpu in info.get("gpus", []):
                 if gpu["bindable"]:
-                    key = (gpu["model"], "free" if gpu["holder"] is None else "in_use")
+                    free = gpu["holder"] is None and gpu.get("custody", "free") == "free"
+                    key = (gpu["model"], "free" if free else "in_use")
                     held[key] = held.get(key, 0) + 1
             for (model, state), count in held.items():
                 self.gpus.labels(host=view.name, model=model, state=state).set(count)
+            custody: dict[str, int] = dict.fromkeys(CUSTODY_STATES, 0)
+            for gpu in info.get("gpus", []):
+                custody[gpu.get("custody", "free")] = custody.get(gpu.get("custody", "free"), 0) + 1
+            for state, count in custody.items():
+                self.custody.labels(host=view.name, state=state).set(count)
             for size, count in info.get("capacity", {}).get("free", {}).items():
                 self.slots.labels(host=view.name, gpus=size).set(count)
             for shape in info.get("pool", []):

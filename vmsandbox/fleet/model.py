@@ -8,7 +8,8 @@ computes (``vmsandbox.gpu.capacity`` through the host's HostInfo document):
 - ``vmsandbox/host/<name>``: HOST_UNITS, only on that node: a bundle taking one unit stays
   there (the agent actor and the host's pinned claim);
 - ``vmsandbox/sandbox``: SANDBOX_UNITS, one per sandbox, so a create without GPUs reserves too;
-- ``vmsandbox/gpu``: bindable GPUs; ``vmsandbox/model/<slug>``: bindable GPUs of one model;
+- ``vmsandbox/gpu``: bindable GPUs whose custody is not out (quarantined, failed, suspect);
+  ``vmsandbox/model/<slug>``: bindable GPUs of one model;
 - ``vmsandbox/gpus/<n>``: how many sandboxes of n GPUs fit the empty host one after another
   (Fabric Manager partitions of n GPUs in shared NVSwitch mode, 1 or all in full passthrough);
   ``vmsandbox/numa-gpus/<n>``: the same, counting placements on one NUMA node only;
@@ -26,16 +27,23 @@ restart) and capacity blocked by overlap. Once quiet, Ray's free amount of every
 equals the host's own. A pooled create keeps its pool unit after the pool refilled; the
 headroom lets the pinned claim shrink by that much, so Ray's free pool count still equals the
 ready guests.
+
+Each fleet sandbox has a *placement record* (``Record``, kept in Ray by records.py): the host
+that holds it or may hold it, written before that host is asked and cleared only on the host's
+own refusal, so a fleet process started at any time knows where every sandbox may be, lost
+hosts included. Each host name is bound to one machine (``Binding``).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from vmsandbox.errors import InvalidArgument
+from vmsandbox.gpu.custody.state import OUT
 
 NAMESPACE = "vmsandbox-fleet"  # the Ray namespace of agents and claims
 HOST_UNITS = 1000.0
@@ -105,7 +113,7 @@ def host_totals(name: str, info: Mapping[str, Any]) -> dict[str, float]:
     """The Ray resources of host ``name``'s node, from its HostInfo document (the empty host)."""
     capacity = info["capacity"]
     totals = {HOST + name: HOST_UNITS, SANDBOX: SANDBOX_UNITS}
-    bindable = sum(1 for gpu in info["gpus"] if gpu["bindable"])
+    bindable = sum(1 for gpu in info["gpus"] if usable(gpu))
     if bindable:
         totals[GPU] = float(bindable)
     for size, count in capacity["total"].items():
@@ -121,6 +129,16 @@ def host_totals(name: str, info: Mapping[str, Any]) -> dict[str, float]:
     return totals
 
 
+def usable(gpu: Mapping[str, Any]) -> bool:
+    """A GPU the host counts as capacity: bindable, and not out of custody (quarantined,
+    failed, or suspect until its automatic reset): a sick GPU is no capacity of the fleet."""
+    return bool(gpu["bindable"]) and gpu.get("custody", "free") not in OUT
+
+
+def _free(gpu: Mapping[str, Any]) -> bool:
+    return gpu.get("custody", "free") == "free"
+
+
 def host_labels(name: str, info: Mapping[str, Any]) -> dict[str, str]:
     models = sorted({slug(gpu["model"]) for gpu in info["gpus"] if gpu["bindable"]})
     return {
@@ -134,7 +152,9 @@ def host_free(name: str, info: Mapping[str, Any]) -> dict[str, float]:
     """What the host itself says is free now, resource by resource (the totals' keys)."""
     capacity = info["capacity"]
     free = {HOST + name: HOST_UNITS, SANDBOX: SANDBOX_UNITS - len(info["sandboxes"])}
-    free[GPU] = float(sum(1 for g in info["gpus"] if g["bindable"] and g["holder"] is None))
+    free[GPU] = float(
+        sum(1 for g in info["gpus"] if usable(g) and g["holder"] is None and _free(g))
+    )
     for size, count in capacity["free"].items():
         free[GPUS + size] = float(count)
     for size, count in capacity["single_numa_free"].items():
@@ -249,6 +269,7 @@ class HostView:
     ray_free: dict[str, float] = field(default_factory=dict)
     totals: dict[str, float] = field(default_factory=dict)
     lost_at: float | None = None
+    error: str | None = None  # what its agent last said went wrong (its driver, Ray)
 
     def drift(self) -> dict[str, float]:
         """Resources whose free amount in Ray differs from the host's own (Ray minus host)."""
@@ -270,8 +291,8 @@ class HostView:
             "name": self.name,
             "state": self.state,
             "fabric": info.get("fabric", {}).get("mode"),
-            "gpus": sum(1 for gpu in gpus if gpu["bindable"]),
-            "gpus_free": sum(1 for gpu in gpus if gpu["bindable"] and gpu["holder"] is None),
+            "gpus": sum(1 for gpu in gpus if usable(gpu)),
+            "gpus_free": sum(1 for g in gpus if usable(g) and g["holder"] is None and _free(g)),
             "models": info.get("capacity", {}).get("models_total", {}),
             "slots_free": info.get("capacity", {}).get("free", {}),
             "pool": [
@@ -281,4 +302,69 @@ class HostView:
             "sandboxes": len(info.get("sandboxes", [])),
             "ray_gpus_free": self.ray_free.get(GPU, 0.0),
             "drift": self.drift(),
+            "error": self.error,
         }
+
+
+# The states of a placement record: which host holds the sandbox, or may.
+PLACING = "placing"  # its create waits for Ray to place its claim: no host was asked yet
+CREATING = "creating"  # its create asks ``host`` now
+UNKNOWN = "unknown"  # asking ``host`` ended without an answer: it may hold the sandbox
+PLACED = "placed"  # ``host`` made it
+RECORD_STATES = (PLACING, CREATING, UNKNOWN, PLACED)
+
+
+@dataclass(frozen=True)
+class Record:
+    """Where the gateway's sandbox ``sandbox_id`` is, or may be: ``host`` (None while its
+    create waits for placement), in ``state``; ``job``: the fleet process (Ray job id) whose
+    create works on it, empty when none does; ``name``: the sandbox's name, to list it while
+    its host is lost."""
+
+    gateway: str
+    sandbox_id: str
+    name: str = ""
+    host: str | None = None
+    state: str = PLACING
+    job: str = ""
+
+    def __post_init__(self) -> None:
+        if self.state not in RECORD_STATES or (self.host is None) != (self.state == PLACING):
+            raise ValueError(f"a placement record in state {self.state!r} on host {self.host!r}")
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Record:
+        return cls(**json.loads(data))
+
+    def on(self, host: str | None, state: str, job: str | None = None) -> Record:
+        """This record with ``host`` in ``state`` (and ``job`` when given)."""
+        return replace(self, host=host, state=state, job=self.job if job is None else job)
+
+    def busy(self, live_jobs: Iterable[str], me: str) -> bool:
+        """Whether another live fleet process works on it now (it waits for placement, or
+        for the host it asks)."""
+        return (
+            self.state in (PLACING, CREATING)
+            and self.job not in ("", me)
+            and (self.job in set(live_jobs))
+        )
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Host name ``host`` belongs to the machine whose host key has digest ``key``; its
+    latest Ray node is ``node_id``."""
+
+    host: str
+    key: str
+    node_id: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Binding:
+        return cls(**json.loads(data))

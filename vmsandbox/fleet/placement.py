@@ -9,6 +9,12 @@ host that refuses (its lock is the final word: a partition taken meanwhile, a GP
 gives GPUs outside the wish has its claim released and is left out of the next try; after
 ATTEMPTS tries the create fails with RESOURCE_EXHAUSTED naming each host's answer. A claim that
 Ray cannot place within the timeout means no ready host has room now: RESOURCE_EXHAUSTED.
+
+Unknown is not no: only a *definite* refusal moves a create on (``definite``: the host's
+driver answered it, or nothing was sent). A call that ended without the host's word (the agent
+died, the call or the driver's connection timed out or dropped) may have made the sandbox: the
+create stops there with UNAVAILABLE (``unknown``), keeping the claim, and whoever asks again
+asks that host first (create.py).
 """
 
 from __future__ import annotations
@@ -38,7 +44,15 @@ ATTEMPTS = 4  # hosts tried for one create
 # wider. Those hosts had room in Ray's view a moment ago, so the wait is rarely in vain; Ray
 # places a claim in milliseconds, but at times takes a second or more.
 POOL_WAIT = 2.0
-_RETRY_ON = ("RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+# A host's own refusals that another host may not give: the create tries the next one. ABORTED:
+# the agent found the fleet no longer places the sandbox there (agent.py).
+RETRY_ON = (
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "ABORTED",
+)
 ERRORS = {
     cls.code: cls
     for cls in (InvalidArgument, FailedPrecondition, ResourceExhausted, AlreadyExists, Unavailable)
@@ -53,6 +67,23 @@ def error(code: str, message: str) -> VmSandboxError:
     made = VmSandboxError(message)
     made.code = code
     return made
+
+
+def definite(failure: dict[str, Any]) -> bool:
+    """Whether a failed create is known to have made nothing: its host answered it, or nothing
+    was sent to the host."""
+    return bool(failure.get("answered")) or failure.get("sent") is False
+
+
+def unknown(host: str, failure: dict[str, Any]) -> Unavailable:
+    """The error of a create whose outcome on ``host`` is not known (``failure``: what was
+    seen of the call)."""
+    return Unavailable(
+        f"host {host} did not answer the create ({failure['code']}: {failure['message']}): it "
+        f"may have made the sandbox, so it stays there, with its claim; ask again, and host "
+        f"{host} is asked first",
+        details={"host": host, "code": failure["code"]},
+    )
 
 
 def wish_of(sandbox: pb.DriverSandbox, model_name: str | None = None, numa: str = "any") -> Wish:
@@ -168,11 +199,14 @@ def run(
     claim: str,
     place: Callable[[str, dict[str, float], float, dict[str, str]], str | None],
     create: Callable[[str], dict[str, Any]],
-    release: Callable[[str, str], None],
+    release: Callable[[str, str, bool], bool],
+    refused: dict[str, str] | None = None,
 ) -> Placed:
     """Try ``steps`` (``place`` makes a claim and answers its host or None; ``create`` asks a
-    host's agent; ``release(host, reason)`` undoes a refused try) as the module docstring says."""
-    refused: dict[str, str] = {}
+    host's agent; ``release(host, reason, made)`` undoes a refused try, deleting what the host
+    ``made``, False when that delete's outcome is not known) as the module docstring says;
+    ``refused``: hosts already refused, left out."""
+    refused = dict(refused or {})
     tries = 0
     for step in _cycle(steps):
         hosts = [host for host in step.hosts if host not in refused]
@@ -200,13 +234,17 @@ def run(
             if why is None:
                 identity = answer.get("runtime_identity", "")
                 return Placed(host, answer["gpus"], claimed, step.pooled, identity)
-            release(host, why)
+            if not release(host, why, True):
+                raise unknown(host, {"code": "UNAVAILABLE", "message": f"{why}, not deleted"})
             refused[host] = why
             continue
-        if failure["code"] not in _RETRY_ON:
-            release(host, failure["message"])
+        if not definite(failure):
+            raise unknown(host, failure)
+        if failure["code"] == "ALREADY_EXISTS":  # the host holds a sandbox of that id: kept
             raise error(failure["code"], failure["message"])
-        release(host, failure["message"])
+        release(host, failure["message"], False)
+        if failure["code"] not in RETRY_ON:
+            raise error(failure["code"], failure["message"])
         refused[host] = f"{failure['code']}: {failure['message']}"
     raise ResourceExhausted(
         f"no host took {_what(wish)} after {tries} tries{_refusals(refused)}",

@@ -4,7 +4,9 @@ in the foreground until SIGTERM or SIGINT, logging to stderr.
 The socket is served as ``vmsandbox serve`` serves its own (a peer check of each connection's
 uid, then a relay to gRPC's socket in a private folder). A monitor thread refreshes the hosts
 every MONITOR_PERIOD seconds, which is what marks a lost host (hosts.py) and feeds the metrics,
-exported over HTTP when ``metrics_address`` is given.
+exported over HTTP when ``metrics_address`` is given, and every SWEEP_PERIOD seconds removes
+the gateway's claims that wait for placement on behalf of a dead fleet process
+(``Fleet.sweep``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from vmsandbox.openshell.socket import PeerGate
 
 log = logging.getLogger("vmsandbox.fleet")
 MONITOR_PERIOD = 0.5  # seconds between two looks at the hosts
+SWEEP_PERIOD = 5.0  # seconds between two sweeps of claims left waiting by dead processes
 _WORKERS = 32
 _STOP_GRACE = 5.0
 
@@ -84,8 +88,12 @@ def serve(
 
 
 def _monitor(fleet: Fleet, stop: threading.Event) -> None:
+    swept = 0.0
     while not stop.wait(MONITOR_PERIOD):
         try:
             fleet.hosts()
+            if time.monotonic() - swept >= SWEEP_PERIOD:
+                swept = time.monotonic()
+                fleet.sweep()
         except Exception as exc:  # Ray unreachable for a moment: look again next time
             log.warning("monitor: %s: %s", type(exc).__name__, exc)

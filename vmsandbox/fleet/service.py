@@ -3,10 +3,13 @@
 
 - CreateSandbox places the sandbox (placement.py) and returns once its host started it; its
   readiness reaches the gateway on the watch stream, from the host's own snapshots.
-- Get, List and Watch show the gateway's sandboxes on every host; those of a lost host as
-  last seen, Ready false with reason HostLost.
-- Stop, Start and Delete go to the sandbox's host; Delete is idempotent.
-- AuthenticateSandbox asks each ready host in turn; only the gateway's own sandboxes answer.
+- Get, List and Watch show the gateway's sandboxes on every host; those recorded on a lost
+  host as last seen (or by id and name), Ready false with reason HostLost.
+- Stop, Start and Delete go to the sandbox's host, Delete to the host its placement record
+  names (core.py): UNAVAILABLE while that host is lost, never ``deleted: false`` for a
+  sandbox that may live; Delete is idempotent.
+- AuthenticateSandbox asks each host in turn; only the gateway's own sandboxes answer, and a
+  token no answering host knows is UNAVAILABLE while a host that may hold it does not answer.
 - ValidateSandboxCreate checks the request and that some ready host could ever take it.
 
 Errors keep their code: a host's refusal crosses the fleet unchanged.
@@ -22,7 +25,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from vmsandbox.errors import InvalidArgument, NotFound, Unauthenticated, VmSandboxError
+from vmsandbox.errors import InvalidArgument, NotFound, VmSandboxError
 from vmsandbox.fleet import placement
 from vmsandbox.fleet.core import Fleet, FleetSandbox
 from vmsandbox.openshell import negotiation
@@ -96,13 +99,7 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
                     "credential is empty: give the sandbox token the sandbox holds",
                     details={"field": "credential"},
                 )
-            for view in self.fleet.table.ready():
-                answer = self.fleet._call(
-                    view.name, "authenticate", self.fleet.gateway, request.credential
-                )
-                if answer.get("sandbox_id"):
-                    return answer
-            raise Unauthenticated("the credential is not the token of any sandbox here")
+            return self.fleet.authenticate(request.credential)
 
         found = self._call(context, "AuthenticateSandbox", authenticate)
         return pb.AuthenticateSandboxResponse(
@@ -157,6 +154,8 @@ class FleetDriver(pb_grpc.ComputeDriverServicer):
 
     def DeleteSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
         def delete() -> bool:
+            if request.sandbox_id:  # its record says where it is, lost hosts included
+                return self.fleet.delete(request.sandbox_id)
             try:
                 found = self._find(request.sandbox_id, request.name)
             except NotFound:

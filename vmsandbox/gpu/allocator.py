@@ -11,7 +11,10 @@ Errors, most permanent first (a request with several problems gets the first tha
   device fails the request's own vendor, model or memory filter.
 - FAILED_PRECONDITION: the host can never give this: more GPUs than a sandbox may take
   (``max_gpus``) or than the host has bindable and matching; a named device is not bindable.
-- RESOURCE_EXHAUSTED (retryable): enough suitable GPUs exist but other domains hold them.
+- FAILED_PRECONDITION too when the request could be met only with GPUs an operator must check
+  first (quarantined or failed: ``vmsandbox.gpu.custody``); the message names them and why.
+- RESOURCE_EXHAUSTED (retryable): enough suitable GPUs exist but other domains hold them, or
+  they are being sanitized or reset (their custody is not free yet).
 
 ``details`` carries the data behind each message: ``valid_ids``, ``held_by`` (BDF -> domain),
 ``not_bindable`` (BDF -> reasons), ``filtered_out`` (BDF -> failed filters) and the counts.
@@ -30,6 +33,7 @@ from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from vmsandbox.gpu.custody.state import FAILED, FREE, QUARANTINED, is_allocatable
 from vmsandbox.gpu.request import GpuRequest, memory_satisfies, model_matches
 from vmsandbox.host.discover import IOMMU_OFF
 from vmsandbox.host.model import FabricDevice, Gpu, Inventory
@@ -67,8 +71,9 @@ def select(
 ) -> list[Gpu]:
     """The GPUs for ``request``: named devices in the order given, else the best placed.
 
-    Only bindable, free (``in_use_by is None``) GPUs that pass the request's filters are ever
-    chosen. ``all=True`` takes every such GPU, at most ``max_gpus`` of them.
+    Only bindable, free GPUs (``in_use_by is None`` and custody ``free``) that pass the
+    request's filters are ever chosen. ``all=True`` takes every such GPU, at most
+    ``max_gpus`` of them.
 
     Placement of ``count`` GPUs among the free ones compares the possible choices by, in
     order: (1) fewest NUMA nodes spanned, (2) fewest PCIe switches spanned, (3) fewest IOMMU
@@ -90,7 +95,7 @@ def select(
     ]
     if not matching or (wanted is not None and (wanted > max_gpus or wanted > len(matching))):
         raise _never(request, inventory, wanted, matching, max_gpus)
-    free = [gpu for gpu in matching if gpu.in_use_by is None]
+    free = [gpu for gpu in matching if is_allocatable(gpu)]
     take = min(len(free), max_gpus) if wanted is None else wanted
     if not take or take > len(free):
         raise _held(wanted, matching, free)
@@ -120,12 +125,23 @@ def _named(request: GpuRequest, inventory: Inventory, max_gpus: int) -> list[Gpu
             f"devices: {_count(len(blocked), 'named GPU')} cannot be passed to a guest: {listed}",
             details={"not_bindable": blocked},
         )
+    out = {gpu.bdf: gpu for gpu in gpus if gpu.in_use_by is None and gpu.custody != FREE}
+    sick = {bdf: gpu for bdf, gpu in out.items() if gpu.custody in (QUARANTINED, FAILED)}
+    if sick:
+        raise FailedPrecondition(
+            f"devices: {_quarantined(list(sick.values()), 'named GPU')}",
+            details={"custody": {bdf: _custody(gpu) for bdf, gpu in sick.items()}},
+        )
     held = {gpu.bdf: gpu.in_use_by for gpu in gpus if gpu.in_use_by is not None}
-    if held:
+    waiting = {bdf: gpu.custody for bdf, gpu in out.items()}
+    if held or waiting:
+        busy = [f"in use: {_holders(held)}"] if held else []
+        busy += [f"{bdf} is {state}" for bdf, state in waiting.items()]
         raise ResourceExhausted(
-            f"devices: {_count(len(held), 'named GPU')} in use: {_holders(held)}; "
-            "retry once they are released",
-            details={"held_by": held},
+            f"devices: {_count(len(held) + len(waiting), 'named GPU')} not free ("
+            + "; ".join(busy)
+            + "); retry once they are released",
+            details={"held_by": held, **({"custody": waiting} if waiting else {})},
         )
     return gpus
 
@@ -282,16 +298,63 @@ def _never(
     )
 
 
-def _held(wanted: int | None, matching: list[Gpu], free: list[Gpu]) -> ResourceExhausted:
-    """Enough suitable GPUs exist, but domains hold too many of them."""
+def _held(
+    wanted: int | None, matching: list[Gpu], free: list[Gpu]
+) -> ResourceExhausted | FailedPrecondition:
+    """Enough suitable GPUs exist, but domains hold too many of them, they are being
+    sanitized, or they are out until an operator checks them: FAILED_PRECONDITION when even
+    the GPUs held or being sanitized would not be enough without the quarantined ones."""
     held = {gpu.bdf: gpu.in_use_by for gpu in matching if gpu.in_use_by is not None}
+    out = [gpu for gpu in matching if gpu.in_use_by is None and gpu.custody != FREE]
+    sick = [gpu for gpu in out if gpu.custody in (QUARANTINED, FAILED)]
+    waiting = {gpu.bdf: gpu.custody for gpu in out if gpu not in sick}
     asked = _count(wanted, "GPU") if wanted is not None else "every free GPU"
-    return ResourceExhausted(
+    parts = [
         f"{asked} asked, but only {len(free)} of the {len(matching)} suitable GPUs "
-        f"{'is' if len(free) == 1 else 'are'} free; in use: {_holders(held)}; "
-        "retry once they are released",
-        details={"wanted": wanted, "free": len(free), "available": len(matching), "held_by": held},
+        f"{'is' if len(free) == 1 else 'are'} free"
+    ]
+    if held:
+        parts.append(f"in use: {_holders(held)}")
+    if waiting:
+        parts.append(
+            f"{_count(len(waiting), 'GPU')} being sanitized or reset: "
+            + ", ".join(f"{bdf} ({state})" for bdf, state in waiting.items())
+        )
+    if sick:
+        parts.append(_quarantined(sick, "matching GPU"))
+    details: dict[str, Any] = {
+        "wanted": wanted,
+        "free": len(free),
+        "available": len(matching),
+        "held_by": held,
+    }
+    if out:
+        details["custody"] = {gpu.bdf: _custody(gpu) for gpu in out}
+    coming = len(free) + len(held) + len(waiting)
+    short = not coming if wanted is None else coming < wanted
+    if sick and short:
+        return FailedPrecondition("; ".join(parts), details=details)
+    return ResourceExhausted("; ".join(parts) + "; retry once they are released", details=details)
+
+
+def _quarantined(gpus: Sequence[Gpu], noun: str) -> str:
+    """``2 matching GPUs are quarantined: BDF (reason, since ...); ...``, and what to do."""
+    verb = "is" if len(gpus) == 1 else "are"
+    listed = "; ".join(
+        f"{gpu.bdf} ({gpu.custody}: {gpu.custody_reason or 'no reason recorded'}, since "
+        f"{gpu.custody_since or '?'})"
+        for gpu in gpus[:_LISTED]
     )
+    if len(gpus) > _LISTED:
+        listed += f"; and {len(gpus) - _LISTED} more"
+    return (
+        f"{_count(len(gpus), noun)} {verb} quarantined: {listed}; an operator's "
+        "'vmsandbox gpus check BDF' resets and re-checks one"
+    )
+
+
+def _custody(gpu: Gpu) -> dict[str, str]:
+    return {"state": gpu.custody, "reason": gpu.custody_reason, "since": gpu.custody_since}
 
 
 def _count(n: int, noun: str) -> str:

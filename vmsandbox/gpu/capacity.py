@@ -5,7 +5,8 @@ The count is found by running the host's own allocation policy (``fabric.policy.
 copy of the inventory, marking what each allocation took as held, until the policy refuses. So
 the numbers follow every rule the allocator follows: whole IOMMU groups, whole Fabric Manager
 partitions (an active partition blocks those it overlaps), the 1-or-all shapes of full
-passthrough, the host's ``max_gpus`` and the GPUs it cannot bind. A fleet reads them to keep its
+passthrough, the host's ``max_gpus``, the GPUs it cannot bind and the GPUs whose custody is not
+free (being sanitized, or out until they are well). A fleet reads them to keep its
 scheduler's view of a host equal to what the host itself would allow.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from vmsandbox.errors import VmSandboxError
 from vmsandbox.gpu.allocator import Allocation
+from vmsandbox.gpu.custody.state import FREE, OUT, is_allocatable
 from vmsandbox.gpu.fabric.policy import allocate
 from vmsandbox.gpu.fabric.state import Fabric
 from vmsandbox.gpu.request import GpuRequest
@@ -42,7 +44,7 @@ class Capacity:
 def measure(inventory: Inventory, fabric: Fabric | None, max_gpus: int) -> Capacity:
     """The capacity of a host whose inventory (``in_use_by`` filled) and fabric are given."""
     empty_inventory, empty_fabric = empty(inventory, fabric)
-    bindable = [gpu for gpu in inventory.gpus if gpu.bindable]
+    bindable = [gpu for gpu in inventory.gpus if gpu.bindable and gpu.custody not in OUT]
     sizes = range(1, min(len(bindable), max_gpus) + 1)
     return Capacity(
         total={n: fits(n, empty_inventory, empty_fabric, max_gpus) for n in sizes},
@@ -52,9 +54,7 @@ def measure(inventory: Inventory, fabric: Fabric | None, max_gpus: int) -> Capac
         },
         single_numa_free={n: fits(n, inventory, fabric, max_gpus, single_numa=True) for n in sizes},
         models_total=dict(Counter(gpu.name or "unknown" for gpu in bindable)),
-        models_free=dict(
-            Counter(gpu.name or "unknown" for gpu in bindable if gpu.in_use_by is None)
-        ),
+        models_free=dict(Counter(gpu.name or "unknown" for gpu in bindable if is_allocatable(gpu))),
     )
 
 
@@ -111,10 +111,15 @@ def take(
 
 
 def empty(inventory: Inventory, fabric: Fabric | None) -> tuple[Inventory, Fabric | None]:
-    """The same host with nothing held: no GPU or NVSwitch in use, no partition active."""
+    """The same host with nothing held: no GPU or NVSwitch in use, no partition active. A GPU
+    that is out until an operator acts (quarantined, failed) or its automatic reset (suspect)
+    stays out: it is not capacity until it is well again."""
     inventory = replace(
         inventory,
-        gpus=tuple(replace(gpu, in_use_by=None) for gpu in inventory.gpus),
+        gpus=tuple(
+            replace(gpu, in_use_by=None, custody=gpu.custody if gpu.custody in OUT else FREE)
+            for gpu in inventory.gpus
+        ),
         fabric=tuple(replace(device, in_use_by=None) for device in inventory.fabric),
     )
     if fabric is not None and fabric.table is not None:

@@ -9,6 +9,11 @@ addresses in one grammar (``bdf``); who holds a GPU: host processes with its dev
 (``processes``) and libvirt domains with it in a ``<hostdev>`` (``holders``); the text table of
 ``vmsandbox gpus`` (``table``). ``python -m vmsandbox.host`` prints the inventory as JSON.
 
+What a GPU's custody between tenants reads and does on the host (``vmsandbox.gpu.custody``
+decides): a function's live config space, power state and bridge (``pcistate``), its reset
+by the kernel (``pcireset``), the hardware memory clear of NVIDIA GPUs (``nvclear``), the
+kernel's log read from a cursor (``kernlog``) and the AER errors in it (``aer``).
+
 ``libvirt_hostdev_holders`` is loaded on first use so that discovery alone does not pay for
 importing libvirt.
 

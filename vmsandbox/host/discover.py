@@ -7,9 +7,10 @@ NVSwitches: listed as fabric, never as GPUs.
 A GPU is bindable (libvirt can detach it to vfio-pci for a guest) when the IOMMU is on, the GPU
 has an IOMMU group, every other member of that group is a companion function of the same card,
 a PCI bridge or already on vfio-pci, it is not the boot VGA device, no host process holds it
-open, and the kernel can reset it (``reset_method`` in sysfs names a method: without one the
-next guest could read what the last left in its memory; ``require_reset=False`` drops this
-rule, for hosts whose operator clears GPUs otherwise).
+open, and the kernel can reset it: ``reset_method`` in sysfs names a secondary bus reset or a
+Function Level Reset (``pcireset``: without one the next guest could read what the last left in
+its memory; ``require_reset=False`` drops this rule, for hosts whose operator clears GPUs
+otherwise).
 
 Whether a libvirt domain already holds it is reported apart (``in_use_by``), and the IOMMU
 group is the unit: a GPU is held when any function of its group is (VFIO gives a whole group
@@ -31,6 +32,7 @@ from .bars import parse_resource, prefetchable_64bit_total
 from .bdf import canonical_bdf, slot_of
 from .model import FabricDevice, Gpu, Inventory, group_holder
 from .nvml import NvmlApi, NvmlGpu, NvmlReport, read_nvml
+from .pcireset import choose
 from .processes import device_node_holders, drm_nodes, nvidia_minors, process_name
 from .sysfs import PciFunction, scan_pci
 
@@ -45,9 +47,9 @@ NVIDIA_DRIVER = "nvidia"
 AMDGPU_DRIVER = "amdgpu"
 _UNIFIED_NAME_RE = re.compile(r"\b(?:gb10|tegra|thor)\b", re.I)
 NO_RESET = (
-    "the kernel has no reset method for it (sysfs reset_method is empty or absent), so the "
-    "next guest could read what the last one left in its memory; set require_gpu_reset = "
-    "false only if this host clears GPU memory by other means"
+    "the kernel has no reset method for it that resets a GPU (sysfs reset_method names neither "
+    "bus nor flr), so the next guest could read what the last one left in its memory; set "
+    "require_gpu_reset = false only if this host clears GPU memory by other means"
 )
 IOMMU_OFF = (
     "IOMMU is off on this host (no PCI device has an iommu_group); "
@@ -156,7 +158,7 @@ class _Host:
                 f"pid {pid} ({process_name(pid, proc_root) or '?'})" for pid in sorted(pids)
             )
             reasons.append(f"host processes hold it open: {held}")
-        if require_reset and not gpu.reset_methods:
+        if require_reset and choose(gpu.reset_methods) is None:
             reasons.append(NO_RESET)
         return reasons
 

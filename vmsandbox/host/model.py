@@ -48,6 +48,11 @@ class Gpu:
     # DRM card nodes the host driver made for it ("card1"): AMD tools and some platforms name
     # GPUs this way. ``uuid`` is NVML's for NVIDIA, ROCm's ("GPU-" + sysfs unique_id) for AMD.
     drm_cards: tuple[str, ...] = ()
+    # Its custody between tenants (vmsandbox.gpu.custody): "free" unless the host's records
+    # say otherwise; only free GPUs are allocated. Discovery leaves it free.
+    custody: str = "free"
+    custody_reason: str = ""
+    custody_since: str = ""
 
     def device_ids(self) -> tuple[str, ...]:
         """Every canonical device id that names this GPU (see ``vmsandbox.gpu.request``)."""
@@ -105,7 +110,11 @@ class Inventory:
                 "pci_devices": self.pci_devices,
                 "gpus": len(self.gpus),
                 "bindable": sum(1 for gpu in self.gpus if gpu.bindable),
-                "free": sum(1 for gpu in self.gpus if gpu.bindable and gpu.in_use_by is None),
+                "free": sum(
+                    1
+                    for gpu in self.gpus
+                    if gpu.bindable and gpu.in_use_by is None and gpu.custody == "free"
+                ),
                 "fabric": len(self.fabric),
                 "nvml": self.nvml,
                 "notes": list(self.notes),

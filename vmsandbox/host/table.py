@@ -1,4 +1,5 @@
-"""The inventory as a fixed-width text table, for ``vmsandbox gpus``."""
+"""The inventory as a fixed-width text table, for ``vmsandbox gpus``: each GPU with its custody
+state (``STATE``), and why any cannot be bound or is not free."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ GPU_HEADER = (
     "DRIVER",
     "BINDABLE",
     "IN USE BY",
+    "STATE",
 )
 FABRIC_HEADER = ("BDF", "VENDOR", "NAME", "NUMA", "GROUP", "DRIVER")
 
@@ -69,6 +71,7 @@ def render_table(inv: Inventory) -> str:
                 _cell(gpu.driver),
                 "yes" if gpu.bindable else "no",
                 _cell(gpu.in_use_by),
+                gpu.custody,
             )
             for gpu in inv.gpus
         ]
@@ -78,6 +81,14 @@ def render_table(inv: Inventory) -> str:
             lines += ["", "not bindable:"]
             for gpu in blocked:
                 lines += [f"  {gpu.index} {gpu.bdf}: {reason}" for reason in gpu.reasons]
+        out = [gpu for gpu in inv.gpus if gpu.custody_reason]
+        if out:
+            lines += ["", "not free (custody):"]
+            lines += [
+                f"  {gpu.index} {gpu.bdf}: {gpu.custody} since {gpu.custody_since or '?'}: "
+                f"{gpu.custody_reason}"
+                for gpu in out
+            ]
     if inv.fabric:
         fabric_rows = [
             (

@@ -33,6 +33,10 @@ from vmsandbox.sandbox.handle import Sandbox
 # The call metadata in which a delegate names the gateway it speaks for (gRPC keys are
 # lowercase ASCII).
 GATEWAY_METADATA = "vmsandbox-gateway"
+# The trailing metadata of an error the driver itself answered (its code as the value): a
+# client tells it from a failure of the way there (a connection lost, a deadline passed), which
+# says nothing of what the driver did.
+ANSWERED_METADATA = "vmsandbox-answered"
 # The label the fleet's agent puts on the sandboxes it makes (vmsandbox/fleet/agent.py): the
 # owner of those made before owners were recorded.
 FLEET_GATEWAY_LABEL = "vmsandbox.fleet/gateway"

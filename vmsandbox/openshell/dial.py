@@ -31,6 +31,13 @@ from vmsandbox.openshell.socket import peer_uid
 from vmsandbox.openshell.splice import splice
 
 log = logging.getLogger(__name__)
+# The channel tries again soon after the driver went away (a restart): gRPC's own backoff
+# grows to two minutes, during which every call fails at once.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 
 
 class Checked:
@@ -47,7 +54,8 @@ class Checked:
         self._listener.bind(str(relay))
         self._listener.listen(16)
         threading.Thread(target=self._accept, name="dial-relay", daemon=True).start()
-        self.channel = grpc.insecure_channel(f"unix:{relay}")
+        self.target = f"unix:{relay}"  # what a channel of one's own dials (every one is checked)
+        self.channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
 
     def check(self) -> None:
         """FAILED_PRECONDITION when a server was refused (call it on a failed call)."""

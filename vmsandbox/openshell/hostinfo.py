@@ -4,8 +4,10 @@ beside the OpenShell compute driver, for the fleet agent that runs on the host (
 One RPC, ``GetHostInfo``, answers one JSON document (``describe``), read from libvirt and the
 host's devices at the moment of the call:
 
-- ``gpus``: each GPU with its model, memory, NUMA node, whether it can be passed through and
-  the domain holding it (any domain of the connection, ours or not);
+- ``gpus``: each GPU with its model, memory, NUMA node, whether it can be passed through, the
+  domain holding it (any domain of the connection, ours or not) and its custody state and
+  reason (only ``free`` GPUs are given: vmsandbox.gpu.custody);
+- ``sanitize``: the seconds of the last sanitizes, per step (the metrics' histogram);
 - ``capacity``: per GPU count, how many sandboxes of that many GPUs fit now and on the empty
   host, also counting only single-NUMA-node placements, and bindable GPUs per model, all and
   free (``vmsandbox.gpu.capacity``: the host's own allocation policy decides);
@@ -32,6 +34,7 @@ import grpc
 
 from vmsandbox.config import Config
 from vmsandbox.errors import VmSandboxError
+from vmsandbox.gpu.custody.store import CustodyStore
 from vmsandbox.openshell.caller import Caller, Callers
 from vmsandbox.openshell.proto import host_info_pb2 as pb
 from vmsandbox.openshell.proto import host_info_pb2_grpc as pb_grpc
@@ -40,6 +43,7 @@ from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.pool.shapes import is_pool_guest
 
 log = logging.getLogger(__name__)
+SANITIZES_KEPT = 200  # the last sanitizes the document carries
 SCHEMA = 1  # the ``schema`` key of the document; raised when a key changes meaning
 
 
@@ -89,8 +93,14 @@ def describe(manager: SandboxManager, caller: Caller) -> dict[str, Any]:
                 "numa_node": gpu.numa_node,
                 "bindable": gpu.bindable,
                 "holder": HIDDEN if gpu.in_use_by in hidden else gpu.in_use_by,
+                "custody": gpu.custody,
+                "custody_reason": gpu.custody_reason,
             }
             for gpu in inventory.gpus
+        ],
+        "sanitize": [
+            {"ok": entry.get("ok"), "steps": entry.get("steps", {})}
+            for entry in CustodyStore(config).sanitizes()[-SANITIZES_KEPT:]
         ],
         "capacity": {
             "total": _keyed(measured.total),

@@ -2,7 +2,10 @@
 standard Python client (``pip install 'vmsandbox[fleet]'``), in a registry of their own:
 
 - at each scrape, from the host document (hostinfo.py): ``vmsandbox_gpus{model,state}``
-  (bindable GPUs free and in use), ``vmsandbox_slots_free{gpus}`` (sandboxes of that many GPUs
+  (bindable GPUs free and in use), ``vmsandbox_gpu_custody{state}`` (every GPU by its custody
+  state: free, assigned, sanitizing, suspect, quarantined, resetting, failed),
+  ``vmsandbox_gpu_sanitize_seconds{step}`` (a histogram of the last sanitizes' steps, and
+  ``total``), ``vmsandbox_slots_free{gpus}`` (sandboxes of that many GPUs
   that still fit: Fabric Manager partitions in shared NVSwitch mode),
   ``vmsandbox_partitions{size,state}`` (active or not), ``vmsandbox_pool_ready{shape}`` and
   ``vmsandbox_sandboxes``;
@@ -21,6 +24,7 @@ from typing import Any
 import grpc
 
 from vmsandbox.errors import FailedPrecondition, VmSandboxError
+from vmsandbox.gpu.custody.state import STATES as CUSTODY_STATES
 from vmsandbox.openshell.caller import Caller
 from vmsandbox.openshell.hostinfo import describe
 from vmsandbox.sandbox.manager import SandboxManager
@@ -28,6 +32,7 @@ from vmsandbox.sandbox.manager import SandboxManager
 log = logging.getLogger(__name__)
 NOBODY = Caller(uid=-1)  # the metrics' reader: it owns no sandbox, and is shown none by name
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+SANITIZE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
 def client() -> Any:
@@ -77,11 +82,13 @@ class HostMetrics:
         counts: dict[tuple[str, str], int] = {}
         for gpu in info["gpus"]:
             if gpu["bindable"]:
-                key = (gpu["model"], "free" if gpu["holder"] is None else "in_use")
+                free = gpu["holder"] is None and gpu.get("custody", "free") == "free"
+                key = (gpu["model"], "free" if free else "in_use")
                 counts[key] = counts.get(key, 0) + 1
         for (model, state), count in sorted(counts.items()):
             gpus.add_metric([model, state], count)
         yield gpus
+        yield from custody_metrics(info)
         slots = GaugeMetricFamily(
             "vmsandbox_slots_free", "Sandboxes of this many GPUs that still fit", labels=["gpus"]
         )
@@ -114,6 +121,31 @@ class HostMetrics:
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")
         self._prom.start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+
+
+def custody_metrics(info: dict[str, Any]) -> Iterator[Any]:
+    """GPUs by custody state, and the sanitizes' seconds per step as a histogram."""
+    from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+    states = GaugeMetricFamily("vmsandbox_gpu_custody", "GPUs by custody state", labels=["state"])
+    tally: dict[str, int] = dict.fromkeys(CUSTODY_STATES, 0)
+    for gpu in info["gpus"]:
+        tally[gpu.get("custody", "free")] = tally.get(gpu.get("custody", "free"), 0) + 1
+    for state, count in tally.items():
+        states.add_metric([state], count)
+    yield states
+    seconds = HistogramMetricFamily(
+        "vmsandbox_gpu_sanitize_seconds", "Sanitize seconds by step", labels=["step"]
+    )
+    by_step: dict[str, list[float]] = {}
+    for entry in info.get("sanitize", []):
+        steps = entry.get("steps", {})
+        for step, value in [*steps.items(), ("total", sum(steps.values()))]:
+            by_step.setdefault(step, []).append(float(value))
+    for step, values in sorted(by_step.items()):
+        buckets = [(str(b), sum(1 for v in values if v <= b)) for b in SANITIZE_BUCKETS]
+        seconds.add_metric([step], [*buckets, ("+Inf", len(values))], sum(values))
+    yield seconds
 
 
 class _Timing(grpc.ServerInterceptor):

@@ -1,7 +1,8 @@
 """``vmsandbox serve --openshell-socket PATH``: the compute driver in the foreground until
 SIGTERM or SIGINT, logging to stderr; it also reaps the sandboxes whose lifetime has ended
 (``create --ttl``), every minute. The socket also serves ``vmsandbox.host.v1.HostInfo``
-(hostinfo.py), which a fleet agent on this host reads.
+(hostinfo.py), which a fleet agent on this host reads. The GPU health monitor
+(vmsandbox/sandbox/health.py) runs beside it, in a thread.
 
 gRPC listens on a socket in a private 0700 folder; the gateway's socket at PATH is served by a
 ``PeerGate`` that checks each peer's uid and relays to it, telling the services which uid each
@@ -42,6 +43,23 @@ _STOP_GRACE = 5.0  # seconds in-flight RPCs get to finish at shutdown
 _SIGNAL_POLL = 1.0
 
 
+def _health_monitor(config: Config, stop: threading.Event) -> threading.Thread:
+    """The GPU health monitor (sandbox/health.py) in a thread of its own, until ``stop``."""
+    from vmsandbox.sandbox.health import Monitor
+
+    manager = SandboxManager(config, reconcile=False)
+
+    def watch() -> None:
+        try:
+            Monitor(manager).run(stop)
+        finally:
+            manager.close()
+
+    thread = threading.Thread(target=watch, name="gpu-health", daemon=True)
+    thread.start()
+    return thread
+
+
 def serve(
     socket_path: str, config: Config | None = None, *, metrics_address: str | None = None
 ) -> int:
@@ -77,6 +95,7 @@ def serve(
     info_grpc.add_HostInfoServicer_to_server(HostInfo(config, peers=peers), server)
     server.add_insecure_port(f"unix:{backend}")
     gate: PeerGate | None = None
+    health: threading.Thread | None = None
     reaper = Reaper(lambda: _reap(config))  # sandboxes whose lifetime ended (create --ttl)
     try:
         if metrics is not None and metrics_address:
@@ -85,6 +104,7 @@ def serve(
         gate = PeerGate(Path(socket_path), backend, allowed_uids(config), peers)
         gate.start()
         driver.resume()
+        health = _health_monitor(config, stop)
         reaper.start()
         log.info("serving the OpenShell compute driver on %s", socket_path)
         while not stop.wait(_SIGNAL_POLL):
@@ -95,6 +115,9 @@ def serve(
         if gate is not None:
             gate.close()
         server.stop(_STOP_GRACE).wait()
+        if health is not None:
+            stop.set()
+            health.join(_STOP_GRACE)
         driver.close()
         events.close()
         backend.unlink(missing_ok=True)

@@ -47,7 +47,9 @@ SandboxManager.
   (``vmsandbox.sandbox.credential``).
 - Every condition carries the time it last changed (``status.Transitions``).
 
-vmsandbox errors keep their code: ``err.code`` is already a gRPC status code name.
+vmsandbox errors keep their code: ``err.code`` is already a gRPC status code name; each error
+the driver answers carries ANSWERED_METADATA in its trailing metadata, so a client (the fleet's
+agent) tells a refusal from a call whose outcome it cannot know.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ from vmsandbox.errors import (
 )
 from vmsandbox.openshell import negotiation
 from vmsandbox.openshell.admission import AdmissionPolicy
-from vmsandbox.openshell.caller import Caller, Callers, OneAtATime
+from vmsandbox.openshell.caller import ANSWERED_METADATA, Caller, Callers, OneAtATime
 from vmsandbox.openshell.events import EventSource
 from vmsandbox.openshell.identity import RuntimeIdentity, check_generation_id
 from vmsandbox.openshell.launch import LaunchCredentials, Launches
@@ -430,6 +432,9 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
 
 
 def _abort(context: grpc.ServicerContext, exc: VmSandboxError) -> NoReturn:
+    """End the RPC with ``exc``'s code and message, marked as the driver's own answer
+    (ANSWERED_METADATA)."""
     code = getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
+    context.set_trailing_metadata(((ANSWERED_METADATA, code.name),))
     context.abort(code, exc.message)
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises

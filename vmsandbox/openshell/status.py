@@ -5,7 +5,9 @@ Conditions (the gateway reads Suspended first, then the first Ready condition):
 
 - stopped (domain not running): Suspended=True, reason Stopped; Ready=False, reason Stopped.
 - creating, defined or starting: Ready=False, reason Starting (transient: Provisioning).
-- failed (the guest did not come up): Ready=False, reason BootFailed, with vmsandbox's message.
+- failed (the guest did not come up): Ready=False, reason BootFailed, with vmsandbox's message;
+  failed because the health monitor quarantined one of its GPUs: reason GpuQuarantined, the
+  message naming the GPU and why (vmsandbox/sandbox/health.py).
 - ready with a failed in-guest GPU verification: Ready=False, reason VerificationFailed.
 - ready, but the workload launch failed (``launch``): Ready=False, reason LaunchFailed.
 - ready, the guest answering and the workload not launched yet: Ready=False, reason Starting.
@@ -142,7 +144,7 @@ def conditions(
             _condition(
                 "Ready",
                 False,
-                "BootFailed",
+                str(failure.get("reason", "BootFailed")),
                 f"{failure.get('code', 'INTERNAL')}: {failure.get('message', 'the guest failed')}",
             )
         )

@@ -7,10 +7,11 @@ create steps and their undos (``create``), how steps run (``runner``) and where 
 lifetimes (``lifetime``, their times in ``expiry``), states kept true after their call is gone
 (``settle``), destroy (``teardown``), suspend and resume (``suspend``, ``resume``, what a suspended
 sandbox keeps in ``suspension`` and its GPUs handed over in ``handover``), repair (``reconcile``),
-the warm pool (the ``pool`` package: its shapes, its fill and claim steps, the GPU claim's steps and
-the pool at work; its ``__init__`` is the map), secrets kept as digests (``credential``), the handle
-a caller gets (``handle``: ``Sandbox``) and ``SandboxManager`` (``manager``), which orchestrates
-them.
+its GPUs' custody between tenants (``custody``: released GPUs sanitized before anyone takes them
+again; ``health``: the monitor that quarantines a sick GPU and fails its sandbox), the warm pool
+(the ``pool`` package: its shapes, its fill and claim steps, the GPU claim's steps and the pool at
+work; its ``__init__`` is the map), secrets kept as digests (``credential``), the handle a caller
+gets (``handle``: ``Sandbox``) and ``SandboxManager`` (``manager``), which orchestrates them.
 
 Imports: ``image``, ``guest``, ``gpu``, ``vm``, ``host`` and the shared core; never the faces.
 """

@@ -33,7 +33,9 @@ class Sandbox:
     boot_seconds: float | None = None
     # A pool claim's steps, seconds each: where its time went (None for other creates).
     stage_seconds: dict[str, float] | None = None
-    failure: dict[str, str] | None = None  # state failed: {code, message} of why (power.wait)
+    # State failed: {code, message} of why (power.wait); with reason "GpuQuarantined" when the
+    # health monitor took one of its GPUs out (health.py).
+    failure: dict[str, str] | None = None
     generation: str | None = None  # the OpenShell gateway's last start generation (record.py)
     owner: str | None = None  # who asked for it through the OpenShell driver (record.py)
     expires_at: str | None = None  # when its lifetime ends (UTC); None: never (lifetime.py)

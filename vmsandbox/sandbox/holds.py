@@ -16,6 +16,10 @@ the owner of a transition in flight (a create, claim, fill, suspend, resume or d
   takes its remains apart and drops it.
 - **Dropped holds leave a tombstone** (``<uuid>.gone``) until reconcile, whose view is newer,
   sees the domain gone: a view read before the drop must not count the domain again.
+- **A dropped hold's GPUs are sanitizing** (``vmsandbox.gpu.custody``): marked so under the
+  same hold of the lock, before the file goes, so no GPU is free in both ledgers before it
+  was reset and cleared. The caller sanitizes them once the lock is let go (custody.py);
+  whatever it does not finish, reconcile does.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from typing import Any
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, Internal, ResourceExhausted, VmSandboxError
+from vmsandbox.gpu.custody.work import release
 from vmsandbox.lock import held
+from vmsandbox.tools import write_json
 from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.process import Ownership, ProcessIdentity
 
@@ -151,15 +157,10 @@ class Holds:
         """Write ``hold`` (atomically: readers see the old one or the new one)."""
         self._check_locked(f"writing the reservation of sandbox {hold.name!r}")
         path = self.folder / f"{hold.uuid}.json"
-        partial = path.with_suffix(".partial")
         try:
-            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(json.dumps(hold.to_dict()) + "\n")
-            os.replace(partial, path)
+            write_json(path, hold.to_dict())
         except OSError as exc:
-            partial.unlink(missing_ok=True)
+            partial = path.with_suffix(".partial")
             doing = f"writing the reservation of sandbox {hold.name!r}"
             raise unwritable(doing, exc, partial) from exc
         (self.folder / f"{hold.uuid}.gone").unlink(missing_ok=True)
@@ -170,6 +171,10 @@ class Holds:
         unless no domain was ever defined for it (``tombstone`` False)."""
         self._check_locked(f"dropping the reservation {uuid}")
         path = self.folder / f"{uuid}.json"
+        hold = self.get(uuid)
+        if hold is not None and hold.gpus:
+            cause = f"reservation of {hold.name} ({uuid}) dropped"
+            release(self.config, hold.gpus, cause, hold.partition)
         if path.exists():
             if tombstone:
                 with contextlib.suppress(OSError):  # a full disk: reconcile's view is right

@@ -22,7 +22,17 @@ from vmsandbox.host.numa import host_cpus_by_node
 from vmsandbox.image.store import BaseImage, ImageStore
 from vmsandbox.lock import host_lock
 from vmsandbox.progress import Progress, silent
-from vmsandbox.sandbox import create, dryrun, lifetime, power, reserve, runner, teardown
+from vmsandbox.sandbox import (
+    create,
+    custody,
+    dryrun,
+    health,
+    lifetime,
+    power,
+    reserve,
+    runner,
+    teardown,
+)
 from vmsandbox.sandbox import plan as planner
 from vmsandbox.sandbox.access import SandboxAccess
 from vmsandbox.sandbox.boot import check_timeout
@@ -190,6 +200,7 @@ class SandboxManager(SandboxAccess):
         report = create.verify_guest(found.record, endpoint, files)
         with self.locked("record a verification"):
             self.store.commit(found, lambda now: replace(now, verification=report))
+        health.from_verification(self, found.record, report)  # Xids that quarantine a GPU
         return report
 
     def dry_run(self, spec: SandboxSpec) -> tuple[str, builtins.list[Gpu]]:
@@ -204,11 +215,12 @@ class SandboxManager(SandboxAccess):
 
     def gpus(self, in_use: Mapping[str, str] | None = None) -> Inventory:
         """The host's GPU inventory, with ``in_use_by`` from ``in_use`` (BDF -> domain), read
-        from all libvirt domains when not given."""
+        from all libvirt domains when not given, and each GPU's custody (custody.py)."""
         from vmsandbox.host import discover
 
         holders = self.hypervisor.hostdev_holders() if in_use is None else in_use
-        return discover(in_use=holders, require_reset=self.config.require_gpu_reset)
+        found = discover(in_use=holders, require_reset=self.config.require_gpu_reset)
+        return custody.shown(self.config, found)
 
     # -- read ---------------------------------------------------------------------------------
 
@@ -301,19 +313,8 @@ class SandboxManager(SandboxAccess):
         again (resume.py); idempotent for a running one. RESOURCE_EXHAUSTED (still suspended)
         when no such GPUs are free."""
         found = self.store.require(name, uuid)
-        found, waited = resume_sandbox(
-            self.store,
-            self.locked,
-            found,
-            progress=self.progress,
-            inventory=self.gpus,
-            verify=verify,
-            guest_run=self.guest_run,
-        )
-        sandbox = self.get(name, uuid=found.uuid)
-        if waited:
-            sandbox.boot_seconds = waited
-        return sandbox
+        how = self.progress, self.gpus, self.guest_run, verify
+        return self.get(name, uuid=resume_sandbox(self.store, self.locked, found, *how).uuid)
 
     # -- lifetime (lifetime.py) --------------------------------------------------------------
 

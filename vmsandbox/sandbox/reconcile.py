@@ -32,7 +32,9 @@ domains no longer listed are forgotten. Last, the fabric ledger: a Fabric Manage
 leased to a UUID that is neither a domain nor a reservation is deactivated, decided from the
 ledger and the reservations read in one hold of the lock (a create reserves before it
 leases), and deactivated after it (gpu/fabric/lease.py). Fabric Manager unreachable is a
-problem reported, not an error: the leases stay for the next reconcile.
+problem reported, not an error: the leases stay for the next reconcile. Then the GPUs'
+custody (sandbox/custody.py): GPUs released above or left sanitizing are sanitized, and GPUs
+of sandboxes gone another way are released and sanitized.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from vmsandbox.config import Config
 from vmsandbox.errors import InvalidArgument, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
+from vmsandbox.sandbox import custody
 from vmsandbox.sandbox.create import Remains
 from vmsandbox.sandbox.holds import SAVES, Hold, Holds, own, owners_folder
 from vmsandbox.sandbox.pool.shapes import holds as of_shape
@@ -100,6 +103,7 @@ def reconcile(hypervisor: Hypervisor, config: Config, lock: Lock) -> Report:
             _fabric(config, view, lock, report)
             left = {lease.partition for lease in FabricLease(config).leases()}
             report.fabric_partitions = sorted(leased - left)
+        report.problems += custody.reconcile(config, lock, view.domains)
     finally:
         owner.end()
     sweep_owner_files(owners_folder(config))

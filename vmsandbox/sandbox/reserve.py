@@ -6,11 +6,12 @@ Manager's table): slow work, seconds with NVML and 100 domains. Under the lock i
 the reservations (holds.py, a few small files) and puts them on top of the view (``taken``):
 holds are current, and say everything about this state directory's sandboxes; the view adds
 what holds do not describe (other tools' and other state directories' domains, and sandboxes
-made before holds existed), less the domains dropped since it was read (tombstones), and the
+made before holds existed), less the domains dropped since it was read (tombstones), the
 Fabric Manager partitions still in the lease ledger (an orphan's partition stays taken until
-reconcile has deactivated it and dropped its lease, gpu/fabric/lease.py). The name,
-port and GPUs are then chosen from that (``check_name``, ``pick_port``, ``allocate``), and the
-hold written before the lock is given back.
+reconcile has deactivated it and dropped its lease, gpu/fabric/lease.py), and each GPU's
+custody (only free GPUs are given: ``vmsandbox.gpu.custody``). The name, port and GPUs are
+then chosen from that (``check_name``, ``pick_port``, ``allocate``), and the hold written before
+the lock is given back.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vmsandbox.errors import AlreadyExists, FailedPrecondition
+from vmsandbox.gpu.custody.state import Custody
+from vmsandbox.gpu.custody.store import CustodyStore
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.sandbox import plan
 from vmsandbox.sandbox.holds import Hold, Holds
@@ -62,13 +65,15 @@ class HostView:
 @dataclass
 class Taken:
     """What is taken now (under the lock): sandbox names, SSH ports, PCI devices (BDF ->
-    holding domain), Fabric Manager partitions (id -> holding domain), and the holds."""
+    holding domain), Fabric Manager partitions (id -> holding domain), the holds, and each
+    GPU's custody record (by BDF)."""
 
     names: set[str] = field(default_factory=set)
     ports: set[int] = field(default_factory=set)
     holders: dict[str, str] = field(default_factory=dict)
     partitions: dict[int, str] = field(default_factory=dict)
     holds: dict[str, Hold] = field(default_factory=dict)
+    custody: dict[str, Custody] = field(default_factory=dict)
 
 
 def look(
@@ -96,7 +101,7 @@ def local(config: Config, record: SandboxRecord) -> bool:
 
 def taken(view: HostView, holds: Holds) -> Taken:
     """Under the lock: the holds, and what the view shows beyond them (module docstring)."""
-    now = Taken(holds=holds.all())
+    now = Taken(holds=holds.all(), custody=CustodyStore(holds.config).all())
     gone = holds.gone()
     for stored in view.domains:
         if stored.uuid in now.holds or stored.uuid in gone:
@@ -156,12 +161,13 @@ def allocate(
     no I/O), and their Fabric Manager partition or NVSwitches; None without a request."""
     if request is None:
         return None
+    from vmsandbox.gpu.custody.state import with_custody
     from vmsandbox.gpu.fabric import policy
     from vmsandbox.gpu.fabric.state import with_reservations
     from vmsandbox.host.model import with_holders
 
     assert view.inventory is not None and view.fabric is not None  # read for GPU requests
-    inventory = with_holders(view.inventory, now.holders)
+    inventory = with_custody(with_holders(view.inventory, now.holders), now.custody)
     fabric = with_reservations(view.fabric, inventory, now.partitions)
     return policy.allocate(request, inventory, max_gpus=max_gpus, fabric=fabric)
 

@@ -52,7 +52,7 @@ from vmsandbox.sandbox.record import (
     SandboxRecord,
 )
 from vmsandbox.sandbox.store import Found, SandboxStore
-from vmsandbox.sandbox.suspend import settle
+from vmsandbox.sandbox.suspend import recover
 from vmsandbox.sandbox.suspension import Suspension
 from vmsandbox.vm import netguard
 from vmsandbox.vm.process import Ownership
@@ -72,19 +72,18 @@ def resume(
     store: SandboxStore,
     lock: Lock,
     found: Found,
-    *,
     progress: Progress,
     inventory: Inventories,
     guest_run: handover.GuestRun = ssh.run,
     verify: bool = True,
-) -> tuple[Found, float]:
-    """Resume the suspended sandbox of ``found`` (module docstring); the sandbox as stored
-    and the seconds from the restore until SSH answered. Idempotent for a sandbox that runs
-    (nothing done, 0.0). FAILED_PRECONDITION for one that is not suspended."""
+) -> Found:
+    """Resume the suspended sandbox of ``found`` (module docstring); the sandbox as stored,
+    its ``boot_seconds`` the seconds from the restore until SSH answered. Idempotent for a
+    sandbox that runs (nothing done). FAILED_PRECONDITION for one that is not suspended."""
     hypervisor, config = store.hypervisor, store.config
     record = found.record
     if hypervisor.running(record.domain, uuid=found.uuid) and found.state != STATE_SUSPENDED:
-        return found, 0.0
+        return found
     check_resumable(store, found)
     held = record.suspended
     assert held is not None  # check_resumable
@@ -101,8 +100,7 @@ def resume(
         except BaseException as exc:
             if stage == ["attaching"]:  # the guest never took a GPU up: it can be saved again
                 _save_again(store, found, held, exc)
-            with contextlib.suppress(Exception), lock():
-                settle(hypervisor, config, found.uuid, owner=owner)
+            recover(hypervisor, config, lock, found.uuid, owner)
             raise
     finally:
         owner.end()
@@ -178,7 +176,9 @@ def _reserve(
     view: reserve.HostView,
     holds: Holds,
 ) -> tuple[GpuRecord, ...]:
-    """Free GPUs of the suspended ones' models (RESOURCE_EXHAUSTED when too few are free)."""
+    """Free GPUs of the suspended ones' models: held by no domain or reservation, and free in
+    their custody (reset and cleared since their last tenant); RESOURCE_EXHAUSTED when too
+    few are."""
     from vmsandbox.host.model import with_holders
 
     assert view.inventory is not None
@@ -207,7 +207,7 @@ def _restore(
     verify: bool,
     owner: Ownership,
     stage: list[str],
-) -> tuple[Found, float]:
+) -> Found:
     hypervisor, config = store.hypervisor, store.config
     record = found.record
     files = SandboxFiles.of(config, record.stem)
@@ -239,14 +239,15 @@ def _restore(
         holds.put(replace(hold, owner=None, doing="", saved_bytes=0))
 
         def ready(now: SandboxRecord) -> SandboxRecord:
-            return replace(now, suspended=None, verification=report or now.verification)
+            verification = report or now.verification
+            return replace(now, suspended=None, verification=verification, boot_seconds=waited)
 
         found = store.commit(found, ready, STATE_READY)
     if report is not None and not report["ok"]:
         from vmsandbox.guest.verify import VerificationReport, raise_if_failed
 
         raise_if_failed(VerificationReport.from_dict(report), subject=f"sandbox {record.name!r}")
-    return found, waited
+    return found
 
 
 def _save_again(store: SandboxStore, found: Found, held: Suspension, exc: BaseException) -> None:

@@ -5,7 +5,9 @@ steps share one hold of the lock. When a step fails, the undos of the steps that
 failing one included: it may have done half its work) run newest first: the unlocked ones,
 then the locked ones under one more hold. A failing undo, and a lock that cannot be had for
 the undos, are noted on the error that made the transition fail; that error is the one the
-caller sees. Whatever an undo could not remove is left to reconcile: the transition gives its
+caller sees. GPUs whose reservation the undos dropped are sanitized last, outside the lock
+(sandbox/custody.py).
+Whatever an undo could not remove is left to reconcile: the transition gives its
 owner file up (``vm.process.Ownership``) when it ends, however it ends, so its record and
 reservation read as left over at once, also in a process that lives on (``vmsandbox serve``).
 A cold create that fails keeps its guest's console log for the user to read (the error names
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vmsandbox.errors import VmSandboxError
+from vmsandbox.sandbox import custody
 from vmsandbox.sandbox.holds import own
 from vmsandbox.sandbox.record import keep_console_log
 
@@ -92,6 +95,7 @@ def undo(steps: list[Step] | tuple[Step, ...], remains: Remains, lock: Lock) -> 
     under it) and every one even when one fails; return the failures' messages. A lock that
     cannot be had is one failure: the locked undos are then reconcile's."""
     failures: list[str] = []
+    hold = remains.mine()  # its GPUs are sanitized once the undos have dropped it
     pending = [step for step in reversed(steps) if step.undo is not None]
     seen: set[Any] = set()
 
@@ -120,4 +124,6 @@ def undo(steps: list[Step] | tuple[Step, ...], remains: Remains, lock: Lock) -> 
                 f"{exc.message}; sandbox {remains.name!r} is left for reconcile to remove "
                 "(its reservation is marked left over)"
             )
+    if hold is not None and remains.mine() is None:
+        custody.sanitize(remains.config, lock, hold.gpus)
     return failures

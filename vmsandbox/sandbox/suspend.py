@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, ResourceExhausted
+from vmsandbox.gpu.custody.work import release
 from vmsandbox.guest import ssh
 from vmsandbox.progress import Progress
 from vmsandbox.sandbox import handover
@@ -84,8 +85,7 @@ def suspend(
         try:
             found = _save(store, lock, found, owner, force, progress, guest_run)
         except BaseException as exc:
-            with contextlib.suppress(Exception), lock():
-                settle(hypervisor, config, found.uuid, owner=owner)
+            recover(hypervisor, config, lock, found.uuid, owner)
             if isinstance(exc, Exception) and not getattr(exc, "__notes__", None):
                 exc.add_note(f"sandbox {record.name!r} was left {_state_now(store, found)}")
             raise
@@ -173,9 +173,10 @@ def _save(
         handover.detach(hypervisor, record.domain, found.uuid, kept, record.gpus, progress)
         released = tuple(bdf for gpu in record.gpus for bdf in (gpu.bdf, *gpu.companions))
         with lock():
-            _release(config, found.uuid, owner)
+            _release(config, found.uuid, owner, record.name)
             found = store.commit(found, lambda now: replace(now, gpus=()))
-        sanitize_released(config, lock, released)
+        for line in sanitize_released(config, lock, released):
+            progress(line)
     progress(f"saving the memory of {record.name} ({record.memory_mib} MiB)")
     hypervisor.save(record.domain, uuid=found.uuid)
     size = hypervisor.saved(record.domain, uuid=found.uuid) or 0
@@ -190,18 +191,35 @@ def _save(
     return found
 
 
-def _release(config: Config, uuid: str, owner: Ownership) -> None:
+def _release(config: Config, uuid: str, owner: Ownership, name: str) -> None:
     """Under the lock: the hold (still this call's) lets its GPUs go."""
     holds = Holds(config)
     hold = holds.get(uuid)
     if hold is None or not hold.owned_by(owner.identity):
         raise FailedPrecondition(f"sandbox {uuid} was taken over while it was being suspended")
-    release_gpus(holds, hold)
+    release_gpus(holds, hold, f"sandbox {name} ({uuid}) suspended")
 
 
 def _state_now(store: SandboxStore, found: Found) -> str:
     now = store.by_domain(found.record.domain, found.uuid)
     return "removed" if now is None else store.view(now.record, now.state, now.uuid).state
+
+
+def recover(
+    hypervisor: Hypervisor, config: Config, lock: Lock, uuid: str, owner: Ownership
+) -> None:
+    """After a suspend or resume of ``owner`` failed: the sandbox settled (``settle``), under
+    the lock, and the GPUs that lets go sanitized once the lock is let go. What fails here
+    is left for reconcile (the hold stays this call's, whose process is about to end)."""
+    released: tuple[str, ...] = ()
+    with contextlib.suppress(Exception), lock():
+        before = Holds(config).get(uuid)
+        settle(hypervisor, config, uuid, owner=owner)
+        after = Holds(config).get(uuid)
+        kept = set(after.gpus) if after is not None else set()
+        released = tuple(bdf for bdf in (before.gpus if before else ()) if bdf not in kept)
+    with contextlib.suppress(Exception):
+        sanitize_released(config, lock, released)
 
 
 def settle(
@@ -245,12 +263,17 @@ def settle(
             kept = replace(kept, gpus=record.gpus)
         if kept is not None:
             kept = replace(kept, save_bytes=size)
-        holds.put(replace(hold, gpus=(), partition=None, owner=None, doing="", saved_bytes=size))
+        if hold.gpus:
+            hold = release_gpus(holds, hold, f"sandbox {hold.name} ({uuid}) saved, GPUs let go")
+        holds.put(replace(hold, owner=None, doing="", saved_bytes=size))
         store.put(replace(record, gpus=(), suspended=kept), STATE_SUSPENDED, uuid)
         return STATE_SUSPENDED
     attached = handover.attached(hypervisor, hold.domain)
     gpus = tuple(gpu for gpu in record.gpus if gpu.bdf in attached)
     held = tuple(bdf for bdf in hold.gpus if bdf in attached)
+    dropped = [bdf for bdf in hold.gpus if bdf not in attached]
+    if dropped:  # reserved by a resume and never attached, or already out of the guest
+        release(config, dropped, f"sandbox {hold.name} ({uuid}) runs without them", hold.partition)
     holds.put(replace(hold, gpus=held, owner=None, doing="", saved_bytes=0))
     store.put(replace(record, gpus=gpus, suspended=None, starter=None), STATE_READY, uuid)
     return STATE_READY

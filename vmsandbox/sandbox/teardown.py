@@ -5,8 +5,9 @@ A teardown first takes the sandbox's hold over, under the lock (holds.py): from 
 other call can claim it, commit to it, or reserve its name, and the create that was making it
 (if one still is) can no longer commit. It then stops QEMU and gives the Fabric Manager
 partition back outside the lock, and under the lock again removes the domain (by UUID), the
-files, and the hold. What it could not remove stays with a hold whose owner is gone, for
-reconcile.
+files, and the hold, its GPUs marked sanitizing first; last, outside the lock, the GPUs are
+sanitized (sandbox/custody.py) before anyone may take them again. What it could not remove
+stays with a hold whose owner is gone, for reconcile.
 
 A hold is taken over only once its domain exists: before that, its create is still writing
 the files the name reserves, and removing them under it would let a later create of that name
@@ -24,7 +25,9 @@ from dataclasses import replace
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, NotFound, VmSandboxError
+from vmsandbox.gpu.custody.work import release
 from vmsandbox.gpu.fabric.lease import FabricLease
+from vmsandbox.sandbox import custody
 from vmsandbox.sandbox.create import Remains
 from vmsandbox.sandbox.holds import TEARDOWNS, Hold, Holds, own
 from vmsandbox.sandbox.record import SandboxFiles, SandboxRecord
@@ -181,10 +184,14 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
                 lambda: _remove_files(remains),
             ):
                 _collect(step, failures)
-            if not failures and remains.mine() is not None:
-                remains.holds.drop(remains.uuid)
+            hold = remains.mine() if not failures else None
+            if hold is not None:
+                remains.holds.drop(remains.uuid)  # its GPUs marked sanitizing
     except VmSandboxError as exc:  # the lock
         failures.append(exc.message)
+        hold = None
+    if hold is not None:
+        custody.sanitize(remains.config, lock, hold.gpus)
     if failures or fabric:
         raise FailedPrecondition(
             f"sandbox {remains.name!r} was not removed completely: " + "; ".join(failures + fabric),
@@ -192,25 +199,24 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
         )
 
 
-def release_gpus(holds: Holds, hold: Hold) -> Hold:
-    """Under the lock: ``hold`` keeps its sandbox (name, port, owner) but lets its GPUs, their
-    companions and NVSwitches, and its Fabric Manager partition go: a suspend's counterpart of
-    the GPU release that ``Holds.drop`` is for a destroy. Returns the hold as written.
+def release_gpus(holds: Holds, hold: Hold, cause: str) -> Hold:
+    """Under the lock: ``hold`` keeps its sandbox (name, port, owner) but lets its GPUs and
+    their companions go (a suspend, or a resume that did not keep the GPUs it reserved): the
+    same release ``Holds.drop`` makes for a destroy, each GPU ``sanitizing`` in its custody
+    before the hold stops naming it (``cause`` says why), so that no GPU is free before it
+    is reset and cleared. The hold's Fabric Manager partition stays leased to the sandbox.
+    Returns the hold as written; the caller hands ``hold.gpus`` to ``sanitize_released``
+    once the lock is let go."""
+    if hold.gpus:
+        release(holds.config, hold.gpus, cause, hold.partition)
+    return holds.put(replace(hold, gpus=()))
 
-    The GPU release hook. With GPU custody (branch ``custody``) a reservation that lets GPUs
-    go marks them ``sanitizing`` under the same hold of the lock; merged, this function calls
-    ``vmsandbox.gpu.custody.work.release(holds.config, hold.gpus, cause, hold.partition)``
-    before it writes the hold, as ``Holds.drop`` does, and ``sanitize_released`` calls
-    ``custody.sanitize``."""
-    return holds.put(replace(hold, gpus=(), partition=None))
 
-
-def sanitize_released(config: Config, lock: Lock, gpus: tuple[str, ...]) -> None:
-    """Outside the lock, once ``release_gpus`` let ``gpus`` go: what makes them fit for the
-    next tenant. libvirt's managed detach has given each back to its host driver; the reset
-    and memory clear are custody's (merged: ``custody.sanitize(config, lock, gpus)``, as
-    ``finish`` calls it after a destroy)."""
-    del config, lock, gpus  # nothing more to do until custody lands
+def sanitize_released(config: Config, lock: Lock, gpus: tuple[str, ...]) -> list[str]:
+    """Outside the lock, once ``release_gpus`` let ``gpus`` go: each reset, checked and
+    cleared by custody, as ``finish`` does after a destroy (a GPU that fails is quarantined);
+    what went wrong, one line per GPU."""
+    return custody.sanitize(config, lock, gpus)
 
 
 def _remove_files(remains: Remains) -> None:

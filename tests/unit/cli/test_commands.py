@@ -27,16 +27,6 @@ SHAPE = {"image": "tiny", "memory_mib": 256, "disk_gib": 1, "count": 1}
 
 
 @pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return unit_config(tmp_path)
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
 def manager(
     config: Config, hv: FakeHypervisor, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[SandboxManager]:

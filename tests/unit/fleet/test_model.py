@@ -179,12 +179,15 @@ def test_a_refusing_host_is_left_out_and_the_last_error_names_every_refusal() ->
         return next(hosts)
 
     def create(host: str) -> dict[str, Any]:
-        return {"error": {"code": "RESOURCE_EXHAUSTED", "message": f"{host} is full"}}
+        full = {"code": "RESOURCE_EXHAUSTED", "message": f"{host} is full", "answered": True}
+        return {"error": full}
+
+    def release(host: str, _why: str, _made: bool) -> bool:
+        released.append(host)
+        return True
 
     with pytest.raises(ResourceExhausted) as caught:
-        placement.run(
-            steps, Wish(gpus=1), "claim:gw:x", place, create, lambda h, _w: released.append(h)
-        )
+        placement.run(steps, Wish(gpus=1), "claim:gw:x", place, create, release)
     assert tried == [("a", "b", "c"), ("b", "c"), ("c",)]
     assert released == ["a", "b"]
     assert "host a: RESOURCE_EXHAUSTED: a is full; host b: RESOURCE_EXHAUSTED: b is full" in str(
@@ -194,7 +197,7 @@ def test_a_refusing_host_is_left_out_and_the_last_error_names_every_refusal() ->
 
 def test_a_request_error_is_not_retried_and_gpus_outside_the_wish_are_given_back() -> None:
     steps = [placement.Step({model.GPU: 1.0}, ("a", "b"), 1.0)]
-    released: list[tuple[str, str]] = []
+    released: list[tuple[str, str, bool]] = []
     answers = iter(
         [
             {"gpus": [{"model": "NVIDIA A10", "numa_node": 0}]},
@@ -207,13 +210,19 @@ def test_a_request_error_is_not_retried_and_gpus_outside_the_wish_are_given_back
         "claim:gw:x",
         lambda _n, _b, _w, selector: selector[model.LABEL_HOST][3:-1].split(",")[0],
         lambda _host: next(answers),
-        lambda host, why: released.append((host, why)),
+        lambda host, why, made: released.append((host, why, made)) is None,
     )
     assert (placed.host, placed.runtime_identity) == ("b", "r")
-    assert released == [("a", "gave GPUs of another model than 'A100'")]
-    bad = {"error": {"code": "INVALID_ARGUMENT", "message": "template.image 'x' is not here"}}
+    assert released == [("a", "gave GPUs of another model than 'A100'", True)]
+    bad = {
+        "error": {
+            "code": "INVALID_ARGUMENT",
+            "message": "template.image 'x' is not here",
+            "answered": True,
+        }
+    }
     with pytest.raises(InvalidArgument, match=r"template\.image 'x'"):
-        placement.run(steps, Wish(), "c", lambda *_a: "a", lambda _h: bad, lambda *_a: None)
+        placement.run(steps, Wish(), "c", lambda *_a: "a", lambda _h: bad, lambda *_a: True)
 
 
 def test_the_fleet_refuses_to_run_without_ray_token_authentication(
@@ -243,3 +252,13 @@ def test_the_cli_and_the_package_never_load_ray() -> None:
         check=True,
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_a_gpu_that_is_out_of_custody_is_no_capacity() -> None:
+    doc = document()
+    doc["gpus"][0]["custody"] = "quarantined"
+    assert model.host_totals("l4-box", doc)[model.GPU] == 1.0
+    assert model.host_free("l4-box", doc)[model.GPU] == 0.0
+    doc["gpus"][0]["custody"] = "sanitizing"  # coming back: capacity, not free yet
+    assert model.host_totals("l4-box", doc)[model.GPU] == 2.0
+    assert model.host_free("l4-box", doc)[model.GPU] == 0.0

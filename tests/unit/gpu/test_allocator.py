@@ -447,3 +447,36 @@ def test_select_never_returns_a_wrong_gpu(hosts: dict[str, Inventory], data: st.
         ]
     elif max(Counter(gpu.numa_node for gpu in free).values()) >= len(got):
         assert len({gpu.numa_node for gpu in got}) == 1  # one node when one node can do
+
+
+def custody(inventory: Inventory, **states: str) -> Inventory:
+    """``inventory`` with GPUs in custody states: ``custody(inv, **{"0000:18:00.0": "failed"})``."""
+    return replace(
+        inventory,
+        gpus=tuple(
+            replace(gpu, custody=states[gpu.bdf], custody_reason="AER: fatal error")
+            if gpu.bdf in states
+            else gpu
+            for gpu in inventory.gpus
+        ),
+    )
+
+
+def test_only_gpus_whose_custody_is_free_are_chosen(hgx: Inventory) -> None:
+    inventory = custody(hgx, **{HGX[0]: "quarantined"})
+    assert HGX[0] not in bdfs(select(GpuRequest(count=7), inventory))
+    with pytest.raises(FailedPrecondition) as caught:  # waiting would not help
+        select(GpuRequest(count=8), inventory)
+    message = caught.value.message
+    assert f"1 matching GPU is quarantined: {HGX[0]} (quarantined: AER: fatal error" in message
+    assert "'vmsandbox gpus check BDF'" in message
+    assert caught.value.details["custody"][HGX[0]]["state"] == "quarantined"
+    sanitizing = custody(hgx, **{HGX[1]: "sanitizing"})
+    with pytest.raises(ResourceExhausted, match=f"being sanitized or reset: {HGX[1]} .sanitizing"):
+        select(GpuRequest(count=8), sanitizing)
+
+
+def test_a_named_quarantined_gpu_is_refused_by_name(hgx: Inventory) -> None:
+    inventory = custody(hgx, **{HGX[2]: "failed"})
+    with pytest.raises(FailedPrecondition, match=f"1 named GPU is quarantined: {HGX[2]}"):
+        select(GpuRequest(devices=(HGX[2],)), inventory)

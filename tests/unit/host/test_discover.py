@@ -141,6 +141,9 @@ def test_hgx_lists_eight_h100_with_every_field(hgx: list[dict[str, Any]]) -> Non
             "pcie_switch": switch,
             "boot_vga": False,
             "drm_cards": [],
+            "custody": "free",
+            "custody_reason": "",
+            "custody_since": "",
         }
 
 
@@ -228,6 +231,7 @@ def test_hgx_table(hgx: list[dict[str, Any]]) -> None:
         "IN",
         "USE",
         "BY",
+        "STATE",
     ]
     assert lines[6].split() == [
         "5",
@@ -244,6 +248,7 @@ def test_hgx_table(hgx: list[dict[str, Any]]) -> None:
         "nvidia",
         "yes",
         "other-team-vm",
+        "free",
     ]
     assert "fabric (not passed to guests):" in lines
     assert sum("GH100 [H100 NVSwitch]" in line for line in lines) == 4
@@ -285,6 +290,9 @@ def test_workstation_card_takes_its_four_functions() -> None:
         "pcie_switch": None,
         "boot_vga": False,
         "drm_cards": [],
+        "custody": "free",
+        "custody_reason": "",
+        "custody_since": "",
     }
     # The Cezanne iGPU counts as an AMD GPU, and is the boot VGA device.
     assert (igpu["bdf"], igpu["vendor"], igpu["boot_vga"]) == ("0000:30:00.0", "amd", True)
@@ -396,6 +404,9 @@ def test_mi300x() -> None:
         "pcie_switch": "0000:01:00.0",
         "boot_vga": False,
         "drm_cards": ["card1"],  # from the drm/ children of the function
+        "custody": "free",
+        "custody_reason": "",
+        "custody_since": "",
     }
     # the BMC's ASPEED VGA is the boot device, and no GPU
     assert (inventory["fabric"], inventory["host"]["notes"]) == ([], [])

@@ -62,9 +62,18 @@ def test_gpus_reasons_fabric_and_summary() -> None:
         bindable=False,
         reasons=("it is the boot VGA device (boot_vga=1): the host console runs on it",),
         in_use_by="sandbox-7",
+        custody="assigned",
+    )
+    quarantined = replace(
+        GPU,
+        bdf="0000:43:00.0",
+        index=2,
+        custody="quarantined",
+        custody_reason="AER: fatal error at its port 0000:40:01.0",
+        custody_since="2026-01-02T03:04:05Z",
     )
     inventory = Inventory(
-        gpus=(GPU, blocked),
+        gpus=(GPU, blocked, quarantined),
         fabric=(NVSWITCH,),
         iommu=True,
         pci_devices=72,
@@ -73,20 +82,26 @@ def test_gpus_reasons_fabric_and_summary() -> None:
     )
     assert render_table(inventory).splitlines() == [
         "#  BDF           VENDOR  NAME                                      MEMORY     NUMA  GROUP"
-        "  DRIVER    BINDABLE  IN USE BY",
+        "  DRIVER    BINDABLE  IN USE BY  STATE",
         "0  0000:41:00.0  nvidia  GH100 [H100 SXM5 80GB]                    81559 MiB  0     42"
-        "     vfio-pci  yes       -",
+        "     vfio-pci  yes       -          free",
         "1  0000:42:00.0  nvidia  A name much longer than the forty cha...  -          -     42"
-        "     nvidia    no        sandbox-7",
+        "     nvidia    no        sandbox-7  assigned",
+        "2  0000:43:00.0  nvidia  GH100 [H100 SXM5 80GB]                    81559 MiB  0     42"
+        "     vfio-pci  yes       -          quarantined",
         "",
         "not bindable:",
         "  1 0000:42:00.0: it is the boot VGA device (boot_vga=1): the host console runs on it",
+        "",
+        "not free (custody):",
+        "  2 0000:43:00.0: quarantined since 2026-01-02T03:04:05Z: AER: fatal error at its port "
+        "0000:40:01.0",
         "",
         "fabric (not passed to guests):",
         "BDF           VENDOR  NAME  NUMA  GROUP  DRIVER",
         "0000:08:00.0  nvidia  -     0     20     nvidia",
         "",
-        "2 GPUs (1 bindable, 1 free), 1 fabric device, 72 PCI devices scanned; IOMMU on; "
+        "3 GPUs (2 bindable, 1 free), 1 fabric device, 72 PCI devices scanned; IOMMU on; "
         "NVML not used",
         "note: NVML unavailable: Driver Not Loaded",
     ]

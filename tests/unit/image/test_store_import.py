@@ -118,7 +118,7 @@ def test_an_unbootable_file_is_refused_and_leaves_nothing(tmp_path: Path, case: 
 
 def test_the_cli_refuses_etc_passwd_in_one_line(config: Config, tmp_path: Path) -> None:
     """The issue's first try: exit 2, one error line naming the file and what it is."""
-    images = tmp_path / "images"
+    images = tmp_path / "own-images"  # apart from the config's image store
     done = cli("images", "import", "/etc/passwd", "evil", config=replace(config, image_dir=images))
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.splitlines() == [

@@ -29,11 +29,6 @@ pytestmark = pytest.mark.skipif(ROOT != 0, reason="runs clients as other uids: n
 
 
 @pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
 def config(tmp_path: Path) -> Config:
     return replace(
         unit_config(tmp_path), openshell_allowed_uids=(OTHER,), openshell_delegate_uids=(AGENT,)

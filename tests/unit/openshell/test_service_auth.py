@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from framework.fake_hypervisor import FakeHypervisor, unit_config
+from framework.fake_hypervisor import FakeHypervisor
 from framework.openshell_client import capabilities_request, check_capabilities, in_process, stub
 
 from vmsandbox.config import Config
@@ -25,16 +25,6 @@ from vmsandbox.sandbox.spec import SandboxSpec
 
 TOKEN = "eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJndy1hdXRoLTEifQ.c2lnbmF0dXJlLW9mLXRoZS1nYXRld2F5"
 WRONG = "eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJzb21lb25lLWVsc2UifQ.bm90LXRoZS1zaWduYXR1cmU"
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return unit_config(tmp_path)
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
-from framework.fake_hypervisor import FakeHypervisor, unit_config
+from framework.fake_hypervisor import FakeHypervisor
 from framework.openshell_client import (
     CONTRACT,
     DEFAULT_ADMISSION,
@@ -31,6 +31,7 @@ from vmsandbox.errors import FailedPrecondition, InvalidArgument
 from vmsandbox.guest.ssh import ExecResult
 from vmsandbox.openshell import negotiation
 from vmsandbox.openshell.admission import AdmissionPolicy
+from vmsandbox.openshell.caller import ANSWERED_METADATA
 from vmsandbox.openshell.identity import INCARNATION_LABEL
 from vmsandbox.openshell.launch import (
     AUTH_BUNDLE_PATH,
@@ -370,16 +371,6 @@ def test_a_launch_that_cannot_resolve_starts_nothing(guest_root, workload: Workl
 
 
 @pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return unit_config(tmp_path)
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
 def upstream(config: Config, hv: FakeHypervisor) -> Iterator[UpstreamClient]:
     with in_process(config, hv) as path, grpc.insecure_channel(f"unix:{path}") as channel:
         yield UpstreamClient(channel)
@@ -554,3 +545,16 @@ def test_driver_config_without_consent_is_refused_over_the_wire(upstream: Upstre
         code, message = _code(lambda m=method, r=request: upstream.call(m, r))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert message.startswith("template.driver_config (gpu_device_ids) is not allowed")
+
+
+def test_an_error_the_driver_answers_is_marked_as_its_own(upstream: UpstreamClient, tmp_path):
+    sandbox = upstream.message("DriverSandbox", id="gw-bad", name="t-bad")
+    sandbox.spec.template.image = "no-such-image"
+    with pytest.raises(grpc.RpcError) as answered:
+        upstream.call("CreateSandbox", upstream.message("CreateSandboxRequest", sandbox=sandbox))
+    assert (ANSWERED_METADATA, answered.value.code().name) in answered.value.trailing_metadata()
+    nobody = f"unix:{tmp_path / 'nobody.sock'}"  # no driver there: nothing it could answer
+    with grpc.insecure_channel(nobody) as channel, pytest.raises(grpc.RpcError) as unreached:
+        UpstreamClient(channel).call("ListSandboxes", upstream.message("ListSandboxesRequest"))
+    assert unreached.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert not any(key == ANSWERED_METADATA for key, _ in unreached.value.trailing_metadata())

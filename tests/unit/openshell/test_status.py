@@ -93,3 +93,16 @@ def test_main_process_from_systemctl_show():
         "the main process exited (3)",
     )
     assert phase(exited) == "Ready"
+
+
+def test_a_sandbox_failed_by_a_quarantined_gpu_says_so():
+    failure = {
+        "code": "UNAVAILABLE",
+        "message": "GPU 0000:02:00.0 is suspect: AER: fatal error at its port 0000:00:06.0",
+        "reason": "GpuQuarantined",
+    }
+    snap = snapshot(_sandbox("failed", failure=failure))
+    (ready,) = snap.status.conditions
+    assert (ready.reason, ready.status) == ("GpuQuarantined", "False")
+    assert "AER: fatal error" in ready.message
+    assert phase(snap) == "Error"

@@ -7,22 +7,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from framework.fake_hypervisor import FakeHypervisor, unit_config
+from framework.fake_hypervisor import FakeHypervisor
 
 from vmsandbox.config import Config
 from vmsandbox.openshell import tunnel
 from vmsandbox.openshell.tunnel import GatewayTunnels
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.spec import SandboxSpec
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return unit_config(tmp_path)
 
 
 @pytest.fixture

@@ -18,11 +18,6 @@ from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 
 
 @pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
 def events() -> Published:
     return Published()
 

@@ -5,7 +5,6 @@ nothing at all when libvirt cannot list every sandbox."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -13,28 +12,11 @@ from pathlib import Path
 import pytest
 from framework.fake_hypervisor import FakeHypervisor, unit_config
 
-from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, Unavailable
 from vmsandbox.sandbox import expiry
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.record import SandboxRecord
 from vmsandbox.sandbox.spec import SandboxSpec
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return unit_config(tmp_path)
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
-def manager(config: Config, hv: FakeHypervisor) -> Iterator[SandboxManager]:
-    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
-        yield mgr
 
 
 def spec(name: str, ttl: float | None = None) -> SandboxSpec:

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from framework.fake_hypervisor import FakeHypervisor, refuse, unit_config
+from framework.fake_hypervisor import FakeHypervisor, refuse
 from framework.paths import FIXTURES
 from framework.seeds import read_iso
 
@@ -35,23 +35,6 @@ from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.record import SCHEMA_VERSION, SandboxFiles, SandboxRecord
 from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.vm.process import ProcessIdentity
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> Config:
-    """A state directory and an image store holding one 16 MiB qcow2 image, ``tiny``."""
-    return unit_config(tmp_path)
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
-def manager(config: Config, hv: FakeHypervisor) -> Iterator[SandboxManager]:
-    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
-        yield mgr
 
 
 def spec(name: str = "unit") -> SandboxSpec:

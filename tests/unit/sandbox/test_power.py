@@ -5,12 +5,11 @@ waited for, written to, powered off or read in its place. On the fake hypervisor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from framework.fake_hypervisor import FakeHypervisor, unit_config
+from framework.fake_hypervisor import FakeHypervisor
 
 from vmsandbox.config import Config
 from vmsandbox.errors import NotFound
@@ -21,22 +20,6 @@ from vmsandbox.sandbox.record import SandboxRecord
 from vmsandbox.sandbox.spec import SandboxSpec
 
 DOMAIN = "vmsbx-web"
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return unit_config(tmp_path)
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
-def manager(config: Config, hv: FakeHypervisor) -> Iterator[SandboxManager]:
-    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
-        yield mgr
 
 
 def spec(tenant: str) -> SandboxSpec:

@@ -43,17 +43,6 @@ def config(tmp_path: Path) -> Config:
     return replace(unit_config(tmp_path), fmpm=str(FMPM))
 
 
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
-def manager(config: Config, hv: FakeHypervisor) -> Iterator[SandboxManager]:
-    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
-        yield mgr
-
-
 def spec(name: str) -> SandboxSpec:
     return SandboxSpec(name=name, image="tiny", memory_mib=256, disk_gib=1)
 

@@ -6,15 +6,12 @@ running guest say so for a stopped one, never "retry once libvirtd is back"."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
-from framework.fake_hypervisor import FakeHypervisor, unit_config
+from framework.fake_hypervisor import FakeHypervisor
 
-from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, Unavailable
 from vmsandbox.sandbox import power, settle
 from vmsandbox.sandbox.manager import SandboxManager
@@ -22,22 +19,6 @@ from vmsandbox.sandbox.record import SandboxRecord
 from vmsandbox.sandbox.spec import SandboxSpec
 from vmsandbox.sandbox.store import Found
 from vmsandbox.vm import process
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return unit_config(tmp_path)
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
-def manager(config: Config, hv: FakeHypervisor) -> Iterator[SandboxManager]:
-    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
-        yield mgr
 
 
 class Answering:

@@ -98,6 +98,8 @@ def blockers(partition: Partition, inventory: Inventory, fabric: Fabric) -> list
     for gpu in inventory.gpus:
         if gpu.bdf in partition.bdfs and gpu.in_use_by is not None:
             why.append(f"{gpu.bdf} held by domain {gpu.in_use_by!r}")
+        elif gpu.bdf in partition.bdfs and gpu.custody != "free":
+            why.append(f"{gpu.bdf} {gpu.custody} ({gpu.custody_reason or 'no reason recorded'})")
     return why
 
 

@@ -128,11 +128,6 @@ def config(tmp_path: Path) -> Config:
 
 
 @pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
 def guest(hv: FakeHypervisor, board: Inventory) -> FakeGuest:
     return FakeGuest(hv, board)
 

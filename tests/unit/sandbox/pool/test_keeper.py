@@ -13,7 +13,6 @@ import io
 import json
 import socket
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,17 +40,6 @@ SHAPE = {"image": "tiny", "memory_mib": 256, "disk_gib": 1, "count": 1}
 def config(tmp_path: Path) -> Config:
     """A state directory, an image store holding ``tiny``, and a pool of one ``tiny`` guest."""
     return unit_config(tmp_path, pool={"small": SHAPE})
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
-def manager(config: Config, hv: FakeHypervisor) -> Iterator[SandboxManager]:
-    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
-        yield mgr
 
 
 def everything(config: Config, hv: FakeHypervisor) -> list[str]:
