@@ -21,6 +21,7 @@ from lxml import etree
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, ResourceExhausted
 from vmsandbox.gpu import hotplug
+from vmsandbox.gpu.custody.store import CustodyStore
 from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.guest.ssh import Endpoint, ExecResult
 from vmsandbox.host.model import Inventory
@@ -168,6 +169,9 @@ def test_a_suspend_lets_the_gpus_go_in_the_guest_detaches_and_releases_them(
     assert sandbox.state == "suspended" and hv.domains["vmsbx-box"].saved
     assert any("python3 - quiesce 1002:74a1" in c for c in guest.commands)
     assert held_by(config, hv) == set() and record(hv).gpus == ()
+    for gpu in made.gpus:  # released through custody, sanitized, free for the next tenant
+        assert CustodyStore(config).get(gpu.bdf).state == "free"
+        assert (CustodyStore(config).gpus / f"{gpu.bdf}.json").exists()
     kept = record(hv).suspended
     assert kept is not None and kept.gpus == made.gpus and list(kept.buses) == slots
     assert sandbox.suspended is not None and len(sandbox.suspended["gpus"]) == 2
