@@ -75,6 +75,7 @@ def describe(data: dict[str, Any]) -> str:
     means (and why it failed), size, SSH, where its domain and console log are, how long its
     boot (or claim) took, its GPUs and their verification."""
     from vmsandbox.cli.lifetime import expiry_line
+    from vmsandbox.cli.suspension import suspended_line
     from vmsandbox.sandbox.record import STATE_MEANINGS
 
     ssh = data.get("ssh")
@@ -98,6 +99,8 @@ def describe(data: dict[str, Any]) -> str:
         lines.append(f"console:   {data['console_log']}")
     if expires := expiry_line(data):
         lines.append(expires)
+    if saved := suspended_line(data):
+        lines.append(saved)
     if data.get("stage_seconds"):
         seconds = sum(data["stage_seconds"].values())
         steps = ", ".join(f"{step} {secs:.3f}s" for step, secs in data["stage_seconds"].items())

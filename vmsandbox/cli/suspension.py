@@ -24,6 +24,17 @@ def saved_size(data: dict[str, Any]) -> str:
     return f"{size / 2**20:.0f}M" if size else "-"
 
 
+def suspended_line(data: dict[str, Any]) -> str | None:
+    """``show``'s line for a suspended sandbox: since when, its save, the GPUs it will take."""
+    held = data.get("suspended")
+    if not held:
+        return None
+    gpus = held.get("gpus") or []
+    models = ", ".join(sorted({str(g.get("name") or g.get("device_id")) for g in gpus}))
+    taking = f"; takes {len(gpus)} free GPU(s) of model {models} on resume" if gpus else ""
+    return f"suspended: since {held.get('at')}, {saved_size(data)} saved{taking}"
+
+
 def saved_line(sandboxes: list[dict[str, Any]], max_saved_gib: int) -> str | None:
     """``list``'s line for the disk that saved memory takes, when any sandbox is saved."""
     used = sum(int(s.get("saved_bytes") or 0) for s in sandboxes)

@@ -79,3 +79,14 @@ def test_a_failed_suspend_names_what_was_done_and_not_tried(
     code, out, _err = run(capsys, "resume", "nobody", "--json")
     error: dict[str, Any] = json.loads(out)
     assert error["error"]["code"] == "NOT_FOUND" and error["failed"] == "nobody"
+
+
+def test_show_says_since_when_it_is_suspended_and_what_its_save_takes(
+    manager: SandboxManager, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made(manager, "a")
+    run(capsys, "suspend", "a")
+    code, out, _err = run(capsys, "show", "a")
+    assert code == 0 and "state:     suspended (its memory is saved to disk" in out
+    (line,) = [line for line in out.splitlines() if line.startswith("suspended: since ")]
+    assert line.endswith("M saved")
