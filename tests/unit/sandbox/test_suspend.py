@@ -235,3 +235,14 @@ def test_a_resume_killed_before_the_restore_stays_suspended(
     assert manager.reconcile()["settled"] == ["box: suspended"]
     assert manager.get("box").state == "suspended" and hv.domains[DOMAIN].saved
     assert manager.resume("box").state == "ready"
+
+
+def test_start_of_a_suspended_sandbox_points_to_resume_and_restores_nothing(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    made(manager)
+    manager.suspend("box")
+    with pytest.raises(FailedPrecondition, match="'vmsandbox resume box' restores it"):
+        manager.start("box")
+    assert not hv.domains[DOMAIN].running and hv.domains[DOMAIN].saved
+    assert manager.stop("box", grace=1).state == "suspended"  # nothing runs: nothing to stop
