@@ -125,8 +125,7 @@ class Config:
     require_gpu_memory_clear: bool = True  # refuse to free a GPU whose memory nothing cleared
     gpu_health_interval: float = 1.0  # seconds between the health monitor's looks at the GPUs
     pci_sysfs: Path = Path("/sys/bus/pci/devices")  # the unit tests': a tree of plain files
-    # Seconds a call waits for its turn at the host lock (vmsandbox/lock.py) before it fails
-    # with DEADLINE_EXCEEDED naming the holder.
+    # Seconds a call waits for the host lock (vmsandbox/lock.py): then DEADLINE_EXCEEDED.
     lock_timeout: float = 60.0
     # Firmware of GPU sandboxes: "uefi" (OVMF, which maps large 64-bit BARs), "bios"
     # (SeaBIOS), or "auto": SeaBIOS for GPUs whose BARs are all small (passthrough.firmware).
@@ -152,6 +151,7 @@ class Config:
     openshell_allow_driver_config: bool = False
     openshell_resource_admission: bool = True
     openshell_required_labels: tuple[tuple[str, str], ...] | None = None
+    openshell_stop_suspends: bool = False  # StopSandbox suspends, StartSandbox then resumes
     # NVSwitch boards (vmsandbox.gpu.fabric). Fabric Manager's config, read for FABRIC_MODE:
     fabric_manager_config: Path = Path("/usr/share/nvidia/nvswitch/fabricmanager.cfg")
     # fmpm (NVIDIA/Fabric-Manager-Client): a path, or a name looked up on PATH; and the FM

@@ -28,6 +28,7 @@ from vmsandbox.cli.output import (
     Output,
     describe,
     report_table,
+    saved_size,
     table,
 )
 from vmsandbox.errors import InvalidArgument, VmSandboxError
@@ -191,7 +192,7 @@ def _cmd_list(_args: argparse.Namespace, out: Output) -> int:
             f"{s['ssh']['host']}:{s['ssh']['port']}" if s["ssh"] else "-",
             ",".join(g.get("bdf", "?") for g in s["gpus"]) or "-",
             lifetime.time_left(s),
-            suspension.saved_size(s),
+            saved_size(s),
         )
         for s in sandboxes
     ]

@@ -75,7 +75,6 @@ def describe(data: dict[str, Any]) -> str:
     means (and why it failed), size, SSH, where its domain and console log are, how long its
     boot (or claim) took, its GPUs and their verification."""
     from vmsandbox.cli.lifetime import expiry_line
-    from vmsandbox.cli.suspension import suspended_line
     from vmsandbox.sandbox.record import STATE_MEANINGS
 
     ssh = data.get("ssh")
@@ -125,3 +124,20 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def mib(size: int) -> str:
     return f"{size / 2**20:.1f} MiB"
+
+
+def saved_size(data: dict[str, Any]) -> str:
+    """The disk a sandbox's saved memory takes, as ``list`` shows it: ``412M``, or ``-``."""
+    size = int(data.get("saved_bytes") or 0)
+    return f"{size / 2**20:.0f}M" if size else "-"
+
+
+def suspended_line(data: dict[str, Any]) -> str | None:
+    """``show``'s line for a suspended sandbox: since when, its save, the GPUs it will take."""
+    held = data.get("suspended")
+    if not held:
+        return None
+    gpus = held.get("gpus") or []
+    models = ", ".join(sorted({str(g.get("name") or g.get("device_id")) for g in gpus}))
+    taking = f"; takes {len(gpus)} free GPU(s) of model {models} on resume" if gpus else ""
+    return f"suspended: since {held.get('at')}, {saved_size(data)} saved{taking}"

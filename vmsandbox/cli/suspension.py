@@ -10,29 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from vmsandbox.cli import common
 from vmsandbox.cli.common import Out
-from vmsandbox.cli.output import EXIT_CODES
+from vmsandbox.cli.output import EXIT_CODES, saved_size
 from vmsandbox.errors import VmSandboxError
 
 if TYPE_CHECKING:
     from vmsandbox.sandbox.handle import Sandbox
     from vmsandbox.sandbox.manager import SandboxManager
-
-
-def saved_size(data: dict[str, Any]) -> str:
-    """The disk a sandbox's saved memory takes, as ``list`` shows it: ``412M``, or ``-``."""
-    size = int(data.get("saved_bytes") or 0)
-    return f"{size / 2**20:.0f}M" if size else "-"
-
-
-def suspended_line(data: dict[str, Any]) -> str | None:
-    """``show``'s line for a suspended sandbox: since when, its save, the GPUs it will take."""
-    held = data.get("suspended")
-    if not held:
-        return None
-    gpus = held.get("gpus") or []
-    models = ", ".join(sorted({str(g.get("name") or g.get("device_id")) for g in gpus}))
-    taking = f"; takes {len(gpus)} free GPU(s) of model {models} on resume" if gpus else ""
-    return f"suspended: since {held.get('at')}, {saved_size(data)} saved{taking}"
 
 
 def saved_line(sandboxes: list[dict[str, Any]], max_saved_gib: int) -> str | None:
