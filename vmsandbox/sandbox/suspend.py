@@ -252,12 +252,7 @@ def settle(
     store = SandboxStore(hypervisor, config)
     size = hypervisor.saved(hold.domain, uuid=uuid)
     running = hypervisor.running(hold.domain, uuid=uuid)
-    if size is not None and not running:
-        attached = handover.attached(hypervisor, hold.domain)
-        for gpu in record.gpus:  # attached to a definition by a resume that then died
-            for bdf, xml in handover.hostdevs(gpu, 0, "bios"):
-                if bdf in attached:
-                    hypervisor.detach(hold.domain, xml, uuid=uuid)
+    if size is not None and not running:  # never restored since: no GPU was attached
         kept = record.suspended
         if kept is not None and record.gpus and not kept.gpus:
             kept = replace(kept, gpus=record.gpus)
