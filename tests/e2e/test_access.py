@@ -44,6 +44,13 @@ def home(manager: SandboxManager, booted: Sandbox) -> Iterator[str]:
     guest(manager, booted, f"rm -rf {folder}")
 
 
+def ctrl_c_works() -> None:
+    """In the child: SIGINT's default action back, as in a terminal. A suite run in the
+    background (``make test &``, nohup) has SIGINT ignored, children inherit that, and Python
+    then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 # -- files ------------------------------------------------------------------------------------
 
 
@@ -314,6 +321,7 @@ def test_the_forward_command_says_where_it_listens_and_stops_on_ctrl_c(
         stderr=subprocess.PIPE,
         text=True,
         env=cli_env(config),
+        preexec_fn=ctrl_c_works,
     )
     try:
         assert proc.stdout is not None
@@ -397,6 +405,7 @@ def test_logs_print_the_console_and_follow_it(config: Config, booted: Sandbox) -
         stdout=subprocess.PIPE,
         text=True,
         env=cli_env(config),
+        preexec_fn=ctrl_c_works,
     )
     try:
         assert proc.stdout is not None

@@ -4,9 +4,11 @@ against it, and what a sandbox left behind."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from framework import fake_sysfs
@@ -48,12 +50,13 @@ def cli_env(config: Config, **extra: str) -> dict[str, str]:
 
 
 def config_file(config: Config) -> str:
-    """A config file of the keys no environment variable sets (``pci_sysfs``), in the state
-    directory; "/nonexistent" when they are the defaults."""
+    """A config file of the keys no environment variable sets (``pci_sysfs``), in the temporary
+    folder (never in the state directory, whose files some tests count; it may be read-only);
+    "/nonexistent" when they are the defaults."""
     if config.pci_sysfs == Path("/sys/bus/pci/devices"):
         return "/nonexistent"
-    file = config.state_dir / "test-config.toml"
-    file.parent.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(config.state_dir).encode()).hexdigest()[:16]
+    file = Path(tempfile.gettempdir()) / f"vmsbx-test-config-{key}.toml"
     file.write_text(f'pci_sysfs = "{config.pci_sysfs}"\n')
     return str(file)
 
