@@ -51,6 +51,7 @@ BENCHES = (
     Bench("ssh_ready", "ssh_ready.py", "ssh_ready.json"),
     Bench("fast_start", "fast_start.py", "fast_start.json"),
     Bench("parallel_creates", "parallel_creates.py", "parallel_creates.json"),
+    Bench("suspend", "suspend.py", "suspend.json", quick=("--cycles", "2")),
 )
 NAMES = [bench.name for bench in BENCHES]
 

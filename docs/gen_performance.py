@@ -95,6 +95,14 @@ ABOUT: dict[str, tuple[str, str]] = {
         "claiming a GPU-ready pooled guest (the card attached live), each to ready with the "
         "in-guest verification.",
     ),
+    "suspend": (
+        "Suspend and resume",
+        "One 1 GiB `minimal` sandbox suspended and resumed through the Python API, cycle after "
+        "cycle, beside the boot floor of Fast start: a suspend (managed save), a resume until "
+        "SSH answers (restore, SSH, the guest's clock and seed set), the resident memory of the "
+        "domain's QEMU while suspended, and in each cycle a process started before the first "
+        "(its PID and in-memory counter) and a file written before (its checksum) checked.",
+    ),
     "fleet": (
         "The fleet under faults",
         "Four fake hosts (36 GPUs) behind one fleet server, 8 clients creating sandboxes of 1 to "

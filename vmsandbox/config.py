@@ -114,6 +114,7 @@ class Config:
     max_memory_mib: int = 65536
     max_disk_gib: int = 256
     max_gpus: int = 16
+    max_saved_gib: int = 64  # GiB that all suspended sandboxes' saved memory may take
     # Pin vCPUs to the host CPUs of the GPUs' NUMA node when a sandbox has GPUs.
     numa_pinning: bool = True
     # Refuse GPUs the kernel cannot reset (host/discover.py): the next tenant could read the
@@ -124,8 +125,7 @@ class Config:
     require_gpu_memory_clear: bool = True  # refuse to free a GPU whose memory nothing cleared
     gpu_health_interval: float = 1.0  # seconds between the health monitor's looks at the GPUs
     pci_sysfs: Path = Path("/sys/bus/pci/devices")  # the unit tests': a tree of plain files
-    # Seconds a call waits for its turn at the host lock (vmsandbox/lock.py) before it fails
-    # with DEADLINE_EXCEEDED naming the holder.
+    # Seconds a call waits for the host lock (vmsandbox/lock.py): then DEADLINE_EXCEEDED.
     lock_timeout: float = 60.0
     # Firmware of GPU sandboxes: "uefi" (OVMF, which maps large 64-bit BARs), "bios"
     # (SeaBIOS), or "auto": SeaBIOS for GPUs whose BARs are all small (passthrough.firmware).
@@ -151,6 +151,7 @@ class Config:
     openshell_allow_driver_config: bool = False
     openshell_resource_admission: bool = True
     openshell_required_labels: tuple[tuple[str, str], ...] | None = None
+    openshell_stop_suspends: bool = False  # StopSandbox suspends, StartSandbox then resumes
     # NVSwitch boards (vmsandbox.gpu.fabric). Fabric Manager's config, read for FABRIC_MODE:
     fabric_manager_config: Path = Path("/usr/share/nvidia/nvswitch/fabricmanager.cfg")
     # fmpm (NVIDIA/Fabric-Manager-Client): a path, or a name looked up on PATH; and the FM
@@ -164,8 +165,7 @@ class Config:
     # (FM in a service VM): the guest's NVIDIA driver must be that release.
     fabric_manager: str = "nv-fabricmanager"
     fm_version: str = ""
-    # The warm pool's shapes, from the ``[pool]`` table (sandbox/pool/shapes.py: how entries
-    # name them).
+    # The warm pool's shapes, from ``[pool]`` (sandbox/pool/shapes.py: how entries name them).
     pool: tuple[PoolShape, ...] = ()
 
     @property

@@ -32,7 +32,8 @@ class FakeDomain:
     what the domain runs with, or will start with when it is off; ``next_xml`` a definition
     given while it runs (libvirt's next config: what ``definition`` returns, in effect once the
     guest is off). Devices attached with ``attach`` are in both (AFFECT_LIVE | AFFECT_CONFIG);
-    ``attached`` lists those attached to the running guest since it started."""
+    ``attached`` lists those attached to the running guest since it started. ``saved``: the
+    size of its managed save (None: none), made by ``save``, restored by ``start``."""
 
     xml: str
     data: dict[str, Any] | None
@@ -44,6 +45,7 @@ class FakeDomain:
     attached: list[str] = field(default_factory=list)  # device XMLs attached live, this boot
     persistent: bool = True  # False once undefined while running: gone when it stops
     next_xml: str | None = None
+    saved: int | None = None
 
     def change(self, edit: Callable[[etree._Element], None]) -> None:
         """Apply ``edit`` to the running and the next definition alike."""
@@ -101,11 +103,43 @@ class FakeHypervisor:
         return domain if domain in self.domains else None
 
     def start(self, domain: str, uuid: str | None = None) -> None:
+        """Boot, or restore the managed save (which is then gone), as libvirt's create."""
         self._hook("start", domain)
         dom = self._get(domain, uuid)
         if dom.running:
             raise FailedPrecondition(f"starting domain {domain!r}: domain is already running")
-        dom.running = True
+        dom.running, dom.saved = True, None
+
+    # The bytes a fake save takes: a guest's memory as it would be saved (a tenth, touched).
+    SAVE_FRACTION = 10
+
+    def save(self, domain: str, uuid: str | None = None) -> None:
+        """As libvirt's managed save: a running guest only, and none holding a host PCI
+        device (QEMU cannot migrate one); it is off afterwards, its devices kept."""
+        self._hook("save", domain)
+        dom = self._get(domain, uuid)
+        if not dom.running:
+            raise FailedPrecondition(f"saving domain {domain!r}: domain is not running")
+        if etree.fromstring(dom.xml.encode()).find("devices/hostdev") is not None:
+            raise FailedPrecondition(
+                f"saving domain {domain!r}: libvirt refused: Requested operation is not valid: "
+                "domain has assigned non-USB host devices"
+            )
+        memory = int(etree.fromstring(dom.xml.encode()).findtext("memory") or 0)
+        dom.running, dom.reason = False, "its memory was saved to disk (suspended)"
+        dom.saved = memory * 2**20 // self.SAVE_FRACTION
+        dom.attached.clear()
+
+    def saved(self, domain: str, uuid: str | None = None) -> int | None:
+        self._hook("saved", domain)
+        name = self._named(domain, uuid)
+        return None if name is None else self.domains[name].saved
+
+    def discard_save(self, domain: str, uuid: str | None = None) -> None:
+        self._hook("discard_save", domain)
+        name = self._named(domain, uuid)
+        if name is not None:
+            self.domains[name].saved = None
 
     def _powered_off(self, name: str, reason: str) -> None:
         """As libvirt when a guest is off: its live devices are given back, a domain
@@ -231,22 +265,28 @@ class FakeHypervisor:
         dom.change(lambda root: _devices(root).append(etree.fromstring(xml.encode())))
 
     def detach(self, domain: str, xml: str, uuid: str | None = None) -> None:
-        """From the running guest and its definition. As libvirt 9.0: one function of a
-        multifunction slot cannot be hot-unplugged; a guest that is not running, or does not
-        hold the device, is left as it is."""
+        """From the running guest and its definition, a host device found by its source
+        address as libvirt finds it (attached live or defined at boot). As libvirt 9.0: one
+        function of a multifunction slot cannot be hot-unplugged; a guest that is not running,
+        or does not hold the device, is left as it is."""
         self._hook("detach", domain)
         name = self._named(domain, uuid)
         dom = self.domains[name] if name is not None else None
-        if dom is None or xml not in dom.attached:
+        if dom is None or not dom.running:
             return
-        slot = _guest_slot(xml)
-        if sum(1 for other in dom.attached if _guest_slot(other) == slot) > 1:
+        held = _hostdev(etree.fromstring(dom.xml.encode()), xml)
+        if held is None:
+            return
+        slot = _guest_slot(etree.tostring(held, encoding="unicode"))
+        live = etree.fromstring(dom.xml.encode()).iterfind("devices/hostdev")
+        shared = sum(1 for other in live if _guest_slot(etree.tostring(other).decode()) == slot)
+        if slot != (None, None) and shared > 1:
             raise FailedPrecondition(
                 f"detaching a device from domain {domain!r}: libvirt refused: cannot hot "
                 "unplug multifunction PCI device"
             )
-        dom.attached.remove(xml)
-        dom.change(lambda root: _remove_device(root, xml))
+        dom.attached[:] = [other for other in dom.attached if _source(other) != _source(xml)]
+        dom.change(lambda root: _remove_hostdev(root, xml))
 
     def close(self) -> None:
         """Nothing to close."""
@@ -298,12 +338,22 @@ def _canonical(element: etree._Element) -> bytes:
     return etree.tostring(element, method="c14n", exclusive=True, with_comments=False)
 
 
-def _remove_device(root: etree._Element, xml: str) -> None:
-    wanted = _canonical(etree.fromstring(xml.encode()))
-    for device in _devices(root):
-        if _canonical(device) == wanted:
-            device.getparent().remove(device)
-            return
+def _source(xml: str) -> str | None:
+    """A hostdev's host address, as libvirt matches a device to detach."""
+    address = etree.fromstring(xml.encode()).find("source/address")
+    return None if address is None else _canonical(address).decode()
+
+
+def _hostdev(root: etree._Element, xml: str) -> etree._Element | None:
+    wanted = _source(xml)
+    found = root.iterfind("devices/hostdev")
+    return next((h for h in found if _source(etree.tostring(h).decode()) == wanted), None)
+
+
+def _remove_hostdev(root: etree._Element, xml: str) -> None:
+    found = _hostdev(root, xml)
+    if found is not None:
+        found.getparent().remove(found)
 
 
 def _guest_slot(xml: str) -> tuple[str | None, str | None]:

@@ -13,8 +13,11 @@ What the test driver (libvirt 9.0) cannot do, and how this file deals with it:
 - It has no ``virDomainAttachDeviceFlags``/``virDomainDetachDeviceFlags`` (VIR_ERR_NO_SUPPORT):
   attaching to and detaching from a domain that exists is checked on the fake only; detaching
   from a domain that does not exist runs on both.
-- Its ``undefineFlags`` refuses VIR_DOMAIN_UNDEFINE_NVRAM, which the QEMU driver takes: the
-  adapter (``_QemuLikeDomain``) drops that one flag.
+- Its ``undefineFlags`` refuses VIR_DOMAIN_UNDEFINE_NVRAM, and its ``createWithFlags``
+  VIR_DOMAIN_START_BYPASS_CACHE, which the QEMU driver takes: the adapter
+  (``_QemuLikeDomain``) drops those flags.
+- Its managed save keeps no file: ``saved`` answers 0 bytes for it (the QEMU driver's size is
+  its file's, checked by tests/e2e/test_suspend.py).
 - It reports the shutdown of a stopped domain as VIR_ERR_INTERNAL_ERROR where the QEMU driver
   reports VIR_ERR_OPERATION_INVALID ("domain is not running"), and undefines a transient domain
   (one undefined while it runs) where the QEMU driver refuses with VIR_ERR_OPERATION_INVALID
@@ -54,12 +57,19 @@ PROTOCOL_METHODS = sorted(
 )
 
 
-def hostdev(bus: int, function: int = 0) -> str:
-    """A host PCI device's ``<hostdev>`` as passthrough and hotplug write it."""
+def hostdev(bus: int, function: int = 0, guest_bus: int | None = None) -> str:
+    """A host PCI device's ``<hostdev>`` as passthrough and hotplug write it (with
+    ``guest_bus``: at slot 0 of that guest bus, its host function number)."""
+    guest = (
+        f"<address type='pci' domain='0x0000' bus='0x{guest_bus:02x}' slot='0x00' "
+        f"function='0x{function:x}'/>"
+        if guest_bus is not None
+        else ""
+    )
     return (
         "<hostdev mode='subsystem' type='pci' managed='yes'><source>"
         f"<address domain='0x0000' bus='0x{bus:02x}' slot='0x00' function='0x{function:x}'/>"
-        "</source></hostdev>"
+        f"</source>{guest}</hostdev>"
     )
 
 
@@ -77,6 +87,9 @@ class _QemuLikeDomain:
         if not self.dom.isPersistent():  # raises VIR_ERR_OPERATION_INVALID, as QEMU does:
             self.dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_TITLE, "", None, None, _CONFIG)
         return int(self.dom.undefineFlags(flags & ~libvirt.VIR_DOMAIN_UNDEFINE_NVRAM))
+
+    def createWithFlags(self, flags: int = 0) -> int:
+        return int(self.dom.createWithFlags(flags & ~libvirt.VIR_DOMAIN_START_BYPASS_CACHE))
 
     def shutdown(self) -> int:
         if not self.dom.isActive():
@@ -413,6 +426,9 @@ _GONE_UUID: dict[str, tuple[Callable[[Any, str, str], object], object]] = {
     "lease_address": (lambda hv, name, uuid: hv.lease_address(name, uuid=uuid), None),
     "attach": (lambda hv, name, uuid: hv.attach(name, hostdev(0x42), uuid=uuid), NotFound),
     "detach": (lambda hv, name, uuid: hv.detach(name, hostdev(0x42), uuid=uuid), None),
+    "save": (lambda hv, name, uuid: hv.save(name, uuid=uuid), NotFound),
+    "saved": (lambda hv, name, uuid: hv.saved(name, uuid=uuid), None),
+    "discard_save": (lambda hv, name, uuid: hv.discard_save(name, uuid=uuid), None),
 }
 
 
@@ -503,7 +519,9 @@ def test_everything_of_an_absent_domain_that_may_succeed_does(kind: Kind) -> Non
     kind.hv.undefine(name)
     kind.hv.undefine(name, uuid=str(uuids.uuid4()))
     kind.hv.detach(name, hostdev(0x41))
+    kind.hv.discard_save(name)
     assert kind.hv.running(name) is False
+    assert kind.hv.saved(name) is None
     assert kind.hv.metadata(name) is None
     assert kind.hv.lease_address(name) is None
 
@@ -513,6 +531,66 @@ def test_detaching_a_device_not_attached_succeeds(on_fake: Kind) -> None:
     on_fake.hv.detach(on_fake.domain("a"), hostdev(0x41))  # stopped
     on_fake.hv.start(on_fake.domain("a"))
     on_fake.hv.detach(on_fake.domain("a"), hostdev(0x41))  # running
+
+
+def test_a_device_defined_at_boot_is_detached_from_the_running_guest(on_fake: Kind) -> None:
+    """libvirt finds a host device to detach by its source address, whether it was attached
+    live or is in the definition the guest booted with; a card's function cannot be taken
+    from a slot it shares (libvirt 9.0)."""
+    with_audio = (hostdev(0x41, guest_bus=2), hostdev(0x41, function=1, guest_bus=2))
+    on_fake.define("a", hostdevs=(hostdev(0x42, guest_bus=1), *with_audio))
+    name = on_fake.domain("a")
+    on_fake.hv.start(name)
+    on_fake.hv.detach(name, hostdev(0x42))  # found by its source: no guest address given
+    assert hostdev_addresses(on_fake.hv.definition(name)) == ["0000:41:00.0", "0000:41:00.1"]
+    with pytest.raises(FailedPrecondition, match="multifunction"):
+        on_fake.hv.detach(name, hostdev(0x41))
+
+
+# -- saved memory ------------------------------------------------------------------------------
+
+
+def test_a_saved_domain_is_off_until_its_start_restores_it(kind: Kind) -> None:
+    """Managed save: the memory kept by libvirt, the domain off and still defined with its
+    record; start restores it (the save is gone then); a save can be discarded; undefine
+    removes it with the domain."""
+    uuid = kind.define("a", state="ready")
+    name = kind.domain("a")
+    with pytest.raises(FailedPrecondition):
+        kind.hv.save(name)  # not running: nothing in memory to keep
+    kind.hv.start(name)
+    assert kind.hv.saved(name) is None
+    kind.hv.save(name, uuid=uuid)
+    assert not kind.hv.running(name)
+    assert kind.hv.saved(name) is not None and kind.hv.saved(name, uuid=uuid) is not None
+    assert kind.hv.stop_reason(name) == "its memory was saved to disk (suspended)"
+    assert kind.hv.metadata(name) == Stored(name, {"name": "a"}, "ready", uuid)
+    kind.hv.stop(name)  # off already: the save stays
+    assert kind.hv.saved(name) is not None
+    kind.hv.start(name, uuid=uuid)
+    assert kind.hv.running(name) and kind.hv.saved(name) is None
+    kind.hv.save(name)
+    kind.hv.discard_save(name, uuid=uuid)
+    assert kind.hv.saved(name) is None and not kind.hv.running(name)
+    kind.hv.start(name)
+    kind.hv.save(name)
+    kind.hv.undefine(name)
+    assert kind.hv.metadata(name) is None and kind.hv.saved(name) is None
+
+
+def test_a_guest_holding_a_host_device_cannot_be_saved(on_fake: Kind) -> None:
+    """QEMU cannot migrate a VFIO device (the test driver does not check): the device must be
+    detached first, which a suspend does."""
+    on_fake.define("gpu", hostdevs=(hostdev(0x41),))
+    name = on_fake.domain("gpu")
+    on_fake.hv.start(name)
+    with pytest.raises(FailedPrecondition, match="host devices"):
+        on_fake.hv.save(name)
+    assert on_fake.hv.running(name)
+    on_fake.hv.detach(name, hostdev(0x41))
+    on_fake.hv.save(name)
+    assert on_fake.hv.saved(name) is not None
+    assert on_fake.hv.hostdev_holders() == {}
 
 
 # -- running and stop_reason -------------------------------------------------------------------
@@ -559,8 +637,9 @@ def test_stop_reason_of_an_absent_domain_says_so_without_raising(kind: Kind) -> 
         lambda hv, name: hv.definition(name),
         lambda hv, name: hv.set_metadata(name, {"name": "x"}, "ready"),
         lambda hv, name: hv.attach(name, hostdev(0x41)),
+        lambda hv, name: hv.save(name),
     ],
-    ids=["start", "definition", "set_metadata", "attach"],
+    ids=["start", "definition", "set_metadata", "attach", "save"],
 )
 def test_an_absent_domain_is_not_found(kind: Kind, call: Callable[[Any, str], object]) -> None:
     with pytest.raises(NotFound):

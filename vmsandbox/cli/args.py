@@ -254,9 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     from vmsandbox.fleet.cli import add_parser as add_fleet  # no Ray: that comes when one runs
 
     add_fleet(sub, common)
-    from vmsandbox.cli import access, completion, files, lifetime
+    from vmsandbox.cli import access, completion, files, lifetime, suspension
 
-    for module in (files, access, lifetime, completion):
+    for module in (files, access, lifetime, suspension, completion):
         module.add_parsers(sub, common)
     return parser
 

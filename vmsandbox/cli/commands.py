@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vmsandbox.cli import access, common, completion, files, images, lifetime
+from vmsandbox.cli import access, common, completion, files, images, lifetime, suspension
 from vmsandbox.cli.args import build_parser, glue_negative_values
 from vmsandbox.cli.output import (
     EXIT_BROKEN_PIPE,
@@ -28,6 +28,7 @@ from vmsandbox.cli.output import (
     Output,
     describe,
     report_table,
+    saved_size,
     table,
 )
 from vmsandbox.errors import InvalidArgument, VmSandboxError
@@ -180,6 +181,7 @@ def _dry_run(spec: Any, out: Output) -> int:
 def _cmd_list(_args: argparse.Namespace, out: Output) -> int:
     with common.manager() as manager:
         sandboxes = [sandbox.to_dict() for sandbox in manager.list()]
+        limit = manager.config.max_saved_gib
     rows = [
         (
             s["name"],
@@ -190,12 +192,21 @@ def _cmd_list(_args: argparse.Namespace, out: Output) -> int:
             f"{s['ssh']['host']}:{s['ssh']['port']}" if s["ssh"] else "-",
             ",".join(g.get("bdf", "?") for g in s["gpus"]) or "-",
             lifetime.time_left(s),
+            saved_size(s),
         )
         for s in sandboxes
     ]
-    headers = ("NAME", "STATE", "IMAGE", "CPUS", "MEMORY", "SSH", "GPUS", "EXPIRES")
+    headers = ("NAME", "STATE", "IMAGE", "CPUS", "MEMORY", "SSH", "GPUS", "EXPIRES", "SAVED")
     shown = table(headers, rows)
-    out.result({"sandboxes": sandboxes}, shown if rows else "no sandboxes")
+    saved = suspension.saved_line(sandboxes, limit)
+    if saved:
+        shown += "\n" + saved
+    data = {
+        "sandboxes": sandboxes,
+        "saved_bytes": sum(s["saved_bytes"] for s in sandboxes),
+        "max_saved_bytes": limit * 2**30,
+    }
+    out.result(data, shown if rows else "no sandboxes")
     return 0
 
 
@@ -281,6 +292,7 @@ def _cmd_reconcile(_args: argparse.Namespace, out: Output) -> int:
     text = "\n".join(
         [f"removed {name}" for name in report["removed"]]
         + [f"released fabric partition {p}" for p in report["fabric_partitions"]]
+        + [f"settled {s}" for s in report.get("settled", [])]
         + [f"could not fix: {p}" for p in report["problems"]]
     )
     out.result(report, text or "nothing to reconcile")
@@ -343,5 +355,6 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     **files.HANDLERS,
     **access.HANDLERS,
     **lifetime.HANDLERS,
+    **suspension.HANDLERS,
     **completion.HANDLERS,
 }

@@ -13,6 +13,8 @@ class Out(Protocol):
 
     def result(self, data: Any, text: str) -> None: ...
 
+    def error(self, exc: Any, **extra: Any) -> None: ...
+
 
 def manager(*, progress: bool = False, reconcile: bool = False) -> Any:
     """A SandboxManager for one command; ``reconcile`` only for the commands that repair

@@ -98,6 +98,8 @@ def describe(data: dict[str, Any]) -> str:
         lines.append(f"console:   {data['console_log']}")
     if expires := expiry_line(data):
         lines.append(expires)
+    if saved := suspended_line(data):
+        lines.append(saved)
     if data.get("stage_seconds"):
         seconds = sum(data["stage_seconds"].values())
         steps = ", ".join(f"{step} {secs:.3f}s" for step, secs in data["stage_seconds"].items())
@@ -122,3 +124,20 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def mib(size: int) -> str:
     return f"{size / 2**20:.1f} MiB"
+
+
+def saved_size(data: dict[str, Any]) -> str:
+    """The disk a sandbox's saved memory takes, as ``list`` shows it: ``412M``, or ``-``."""
+    size = int(data.get("saved_bytes") or 0)
+    return f"{size / 2**20:.0f}M" if size else "-"
+
+
+def suspended_line(data: dict[str, Any]) -> str | None:
+    """``show``'s line for a suspended sandbox: since when, its save, the GPUs it will take."""
+    held = data.get("suspended")
+    if not held:
+        return None
+    gpus = held.get("gpus") or []
+    models = ", ".join(sorted({str(g.get("name") or g.get("device_id")) for g in gpus}))
+    taking = f"; takes {len(gpus)} free GPU(s) of model {models} on resume" if gpus else ""
+    return f"suspended: since {held.get('at')}, {saved_size(data)} saved{taking}"

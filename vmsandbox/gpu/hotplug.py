@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from lxml import etree
 
 from vmsandbox.gpu import passthrough
+from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.host.model import Bar, Gpu
 from vmsandbox.vm.domain import QEMU_NS, USER_NET_SLOT, attribute, required
 
@@ -195,6 +196,55 @@ def hostdev_xml(bdf: str, bus: int, *, multifunction: bool, firmware: str) -> st
     (as passthrough.py does at boot)."""
     element = passthrough.hostdev(bdf, bus, multifunction=multifunction, rom=firmware == "uefi")
     return etree.tostring(element, encoding="unicode")
+
+
+def placed(xml: str, bdfs: Sequence[str]) -> tuple[tuple[int, ...], str]:
+    """Where the GPUs ``bdfs`` (host addresses of their function 0) sit in domain XML ``xml``
+    (a cold-made sandbox's root ports of its own, or a claimed guest's spare ports): the guest
+    bus of each, in the order given, and the firmware their hostdevs were written for
+    ("uefi" when they keep their option ROM, as ``hostdev_xml`` writes them). ValueError for
+    a GPU the domain does not hold."""
+    root = etree.fromstring(xml.encode(), etree.XMLParser(resolve_entities=False))
+    buses: list[int] = []
+    rom = True
+    for bdf in bdfs:
+        wanted = _numbers(libvirt_address(bdf))
+        found = next(
+            (
+                hostdev
+                for hostdev in root.iterfind("devices/hostdev")
+                if (source := hostdev.find("source/address")) is not None
+                and _numbers(source.attrib) == wanted
+            ),
+            None,
+        )
+        address = found.find("address") if found is not None else None
+        if found is None or address is None:
+            raise ValueError(f"the domain holds no GPU {bdf} at a guest address")
+        buses.append(int(attribute(address, "bus"), 16))
+        rom = rom and found.find("rom[@bar='off']") is None
+    return tuple(buses), "uefi" if rom else "bios"
+
+
+def port_of(xml: str, bus: int) -> str | None:
+    """The guest PCI address of the root port whose controller index is ``bus`` in domain XML
+    ``xml`` (a GPU attached to it shows up below it in the guest's sysfs); None when the
+    definition gives the port no address."""
+    root = etree.fromstring(xml.encode(), etree.XMLParser(resolve_entities=False))
+    port = root.find(f"devices/controller[@type='pci'][@index='{int(bus)}']")
+    address = port.find("address") if port is not None else None
+    if address is None:
+        return None
+    domain, on, slot, function = (
+        int(address.get(key, "0"), 16) for key in ("domain", "bus", "slot", "function")
+    )
+    return f"{domain:04x}:{on:02x}:{slot:02x}.{function:x}"
+
+
+def _numbers(address: dict[str, str] | etree._Attrib) -> tuple[int, ...]:
+    return tuple(
+        int(str(address.get(key, "0")), 16) for key in ("domain", "bus", "slot", "function")
+    )
 
 
 def _place_on_root_bus(devices: etree._Element) -> None:

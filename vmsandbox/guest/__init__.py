@@ -4,8 +4,9 @@ channel (``control``), commands as scripts need them (``execute``), files in and
 (``transfer``, with ``upload``, ``download``, the SFTP session ``sftpipe`` and the local folder a
 download writes into, ``localdir``), TCP ports forwarded to this host (``forward``), OpenSSH's
 command line and ssh_config stanzas (``openssh``), the GPU checks run inside a booted guest
-(``verify``), and the programs that images and checks ship into guests (``programs``: standard
-library only, run there, never imported by the rest of vmsandbox).
+(``verify``), a GPU hand-over inside the guest around a suspend (``quiesce``), and the programs that
+images and checks ship into guests (``programs``: standard library only, run there, never imported
+by the rest of vmsandbox).
 
 Imports: ``gpu``, ``vm``, ``host`` and the shared core only.
 """

@@ -2,10 +2,12 @@
 
 Domains of images that serve it (programs/control.py, listed in the image's meta.json) have
 a virtio-serial port whose host end is a UNIX socket in the sandbox's private folder
-(``SandboxFiles.control``). Two requests exist, each answered ``ok`` or ``error: WHY``:
-``claim NAME`` (the hostname, once the guest has checked that its sshd runs) and ``hostname
-NAME`` (the hostname alone; guests of older builds know only this one). Each call opens the
-socket, sends the request, reads one answer line within a short deadline and closes it.
+(``SandboxFiles.control``). Three requests exist, each answered ``ok`` or ``error: WHY``:
+``claim NAME`` (the hostname, once the guest has checked that its sshd runs), ``hostname
+NAME`` (the hostname alone; guests of older builds know only this one) and ``wake`` (after
+a resume: the guest's clock set to the host's and its random number generator reseeded from
+bytes the host drew, then sshd checked). Each call opens the socket, sends the request, reads
+one answer line within a short deadline and closes it.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ def restrict(path: Path) -> None:
             os.chmod(path, 0o600)
 
 
-# What a guest of an older build answers to ``claim``.
+# What a guest of an older build answers to ``claim`` (and to ``wake``).
 UNKNOWN_CLAIM = "error: unknown request 'claim'"
+UNKNOWN_WAKE = "error: unknown request 'wake'"
+SEED_BYTES = 32  # bytes of entropy ``wake`` hands the guest (programs/control.py)
 
 
 def claim(path: Path, name: str, *, guest: str, timeout: float | None = None) -> bool:
@@ -45,6 +49,26 @@ def claim(path: Path, name: str, *, guest: str, timeout: float | None = None) ->
     if text.startswith(UNKNOWN_CLAIM):
         return False
     _check(text, name, guest, path)
+    return True
+
+
+def wake(path: Path, *, guest: str, timeout: float | None = None) -> bool:
+    """Tell the resumed guest behind ``path`` the time (this host's clock, in nanoseconds)
+    and hand it SEED_BYTES fresh random bytes to reseed from; it answers once its sshd is
+    checked. True when it did; False when the guest does not know the request (an older
+    build: the caller does it over SSH). FAILED_PRECONDITION when the guest refuses (its
+    answer named), DEADLINE_EXCEEDED when it does not answer in time."""
+    seed = os.urandom(SEED_BYTES).hex()
+    line = f"wake {time.time_ns()} {seed}"
+    text = _exchange(path, line, guest=guest, timeout=timeout)
+    if text.startswith(UNKNOWN_WAKE):
+        return False
+    if text != "ok":
+        raise FailedPrecondition(
+            f"guest {guest!r} refused to take the time and a new seed after its resume: "
+            f"{text or 'no answer (the channel closed)'}",
+            details={"guest": guest, "socket": str(path), "answer": text},
+        )
     return True
 
 
@@ -68,6 +92,11 @@ def _check(text: str, name: str, guest: str, path: Path) -> None:
 def _request(path: Path, verb: str, name: str, *, guest: str, timeout: float | None) -> str:
     """The guest's answer line to ``verb NAME``, stripped."""
     validate_name(name)
+    return _exchange(path, f"{verb} {name}", guest=guest, timeout=timeout)
+
+
+def _exchange(path: Path, line: str, *, guest: str, timeout: float | None) -> str:
+    """The guest's answer to request ``line``, stripped."""
     timeout = TIMEOUT_S if timeout is None else timeout
     details = {"guest": guest, "socket": str(path)}
     try:
@@ -87,7 +116,7 @@ def _request(path: Path, verb: str, name: str, *, guest: str, timeout: float | N
         try:
             sock.settimeout(timeout)
             sock.connect(str(path))
-            sock.sendall(f"{verb} {name}\n".encode())
+            sock.sendall(f"{line}\n".encode())
             answer = b""
             while not answer.endswith(b"\n") and len(answer) < ANSWER_MAX:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))

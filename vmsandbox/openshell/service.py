@@ -96,7 +96,7 @@ from vmsandbox.openshell.tunnel import GatewayTunnels
 from vmsandbox.openshell.watch import Stream
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.manager import SandboxManager
-from vmsandbox.sandbox.record import STATE_READY, STATE_STARTED, STATE_STARTING
+from vmsandbox.sandbox.record import STATE_READY, STATE_STARTED, STATE_STARTING, STATE_SUSPENDED
 from vmsandbox.vm.domain import DOMAIN_PREFIX
 
 log = logging.getLogger(__name__)
@@ -324,7 +324,10 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
             caller = self.callers.identify(context)
             with self._manager() as manager:
                 found = self._find(manager, caller, request.sandbox_id, request.name)
-                manager.stop(found.name, uuid=found.uuid)
+                if self.config.openshell_stop_suspends:  # memory and GPUs given back
+                    manager.suspend(found.name, uuid=found.uuid)
+                else:
+                    manager.stop(found.name, uuid=found.uuid)
 
         self._call(context, "StopSandbox", stop)
         return pb.StopSandboxResponse()
@@ -347,7 +350,10 @@ class ComputeDriver(pb_grpc.ComputeDriverServicer):
                     else None
                 )
                 self.launches.restart(found.uuid, credentials)
-                started = manager.start(found.name, wait=False, uuid=found.uuid)
+                if found.state == STATE_SUSPENDED:  # only a resume brings it back
+                    started = manager.resume(found.name, uuid=found.uuid)
+                else:
+                    started = manager.start(found.name, wait=False, uuid=found.uuid)
                 if generation and generation != started.generation:
                     started = manager.set_generation(found.name, generation, uuid=found.uuid)
             if started.state != STATE_READY:

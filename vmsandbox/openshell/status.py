@@ -4,6 +4,7 @@ derives its phase from, the resolved workload identity and the fence evidence.
 Conditions (the gateway reads Suspended first, then the first Ready condition):
 
 - stopped (domain not running): Suspended=True, reason Stopped; Ready=False, reason Stopped.
+- suspended (its memory saved to disk, no GPU held): the same, reason Suspended.
 - creating, defined or starting: Ready=False, reason Starting (transient: Provisioning).
 - failed (the guest did not come up): Ready=False, reason BootFailed, with vmsandbox's message;
   failed because the health monitor quarantined one of its GPUs: reason GpuQuarantined, the
@@ -50,7 +51,7 @@ from vmsandbox.openshell.launch import (
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
 from vmsandbox.openshell.request import ID_LABEL, IMAGE_ID_LABEL, NAMESPACE_LABEL, WORKSPACE_LABEL
 from vmsandbox.sandbox.handle import Sandbox
-from vmsandbox.sandbox.record import STATE_FAILED, STATE_READY
+from vmsandbox.sandbox.record import STATE_FAILED, STATE_READY, STATE_SUSPENDED
 
 GUEST_QUERY = (
     f"systemctl show -p LoadState -p ActiveState -p ExecMainStatus {OPENSHELL_MAIN_UNIT}; "
@@ -131,6 +132,11 @@ def conditions(
     sandbox: Sandbox, guest: GuestState | None = None, launch_failure: str | None = None
 ) -> list[pb.DriverCondition]:
     """The conditions of ``sandbox`` (see the module docstring)."""
+    if sandbox.state == STATE_SUSPENDED:
+        return [
+            _condition("Suspended", True, "Suspended", "the VM's memory is saved; GPUs given back"),
+            _condition("Ready", False, "Suspended", "the sandbox is suspended"),
+        ]
     if sandbox.state == "stopped":
         return [
             _condition("Suspended", True, "Stopped", "the sandbox's VM is shut off; disk kept"),

@@ -44,6 +44,14 @@ class Sandbox:
     local: bool = True  # made with this manager's state directory
     # Its serial console's log (firmware, kernel, first boot): a claimed guest's keeps its name.
     console_log: Path | None = None
+    # Suspended: when, the GPUs it will take again, the size of its saved memory
+    # (suspension.py's ``shown``); None when it is not suspended.
+    suspended: dict[str, Any] | None = None
+
+    @property
+    def saved_bytes(self) -> int:
+        """The disk its saved memory takes (0 when it is not suspended)."""
+        return int((self.suspended or {}).get("save_bytes") or 0)
 
     @classmethod
     def of(cls, record: SandboxRecord, state: str, files: SandboxFiles) -> Sandbox:
@@ -72,6 +80,7 @@ class Sandbox:
             boot_seconds=record.boot_seconds,
             console_log=files.console_log,
             expires_at=record.expires_at,
+            suspended=record.suspended.shown() if record.suspended else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +113,8 @@ class Sandbox:
             "console_log": str(self.console_log) if self.console_log else None,
             "expires_at": self.expires_at,
             "expires_in_seconds": self.expires_in_seconds,
+            "suspended": self.suspended,
+            "saved_bytes": self.saved_bytes,
         }
 
     @property

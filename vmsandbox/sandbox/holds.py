@@ -3,9 +3,10 @@ written under the host lock before anything is made, so that slow work can happe
 
 libvirt is the truth of what exists; this ledger is the truth of what is *taken*. One file per
 sandbox, ``<state_dir>/holds/<uuid>.json``, named by the domain UUID the sandbox has (or will
-have once defined): its name, the GPUs, port and Fabric Manager partition it holds, whether it
-is a pooled guest not claimed yet, and the owner of a transition in flight (a create, claim,
-fill or destroy: ``vm.process.Ownership``). The rules that keep it true:
+have once defined): its name, the GPUs, port and Fabric Manager partition it holds, the disk
+its saved memory takes (suspended, parked), whether it is a pooled guest not claimed yet, and
+the owner of a transition in flight (a create, claim, fill, suspend, resume or destroy:
+``vm.process.Ownership``). The rules that keep it true:
 
 - **Written only under the host lock** (``Holds`` refuses otherwise), by the process that owns
   the transition; a locked step commits only while it still owns the hold (``owned``).
@@ -42,14 +43,19 @@ from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.process import Ownership, ProcessIdentity
 
 TEARDOWNS = ("destroy", "reconcile")  # what a hold's owner does when it takes a sandbox apart
+# What a hold's owner does when it saves or restores a sandbox's memory (suspend.py,
+# resume.py): left over, reconcile settles it rather than taking the sandbox apart.
+SAVES = ("suspend", "resume")
 
 
 @dataclass(frozen=True)
 class Hold:
     """What one sandbox (domain UUID ``uuid``) holds. ``stem`` is the name its domain and files
     carry (a claimed pooled guest keeps the guest's); ``pool`` the shape key of a pooled guest
-    nobody has claimed (``image_id`` its image build); ``owner`` the transition at work on it
-    (``doing``: create, claim, fill, destroy), None once it is settled."""
+    nobody has claimed (``image_id`` its image build); ``saved_bytes`` the disk its saved
+    memory takes, or may take while a save is at work (``max_saved_gib`` counts them);
+    ``owner`` the transition at work on it (``doing``: create, claim, fill, suspend, resume,
+    destroy), None once it is settled."""
 
     uuid: str
     name: str
@@ -59,6 +65,7 @@ class Hold:
     partition: int | None = None
     pool: str | None = None
     image_id: str | None = None
+    saved_bytes: int = 0
     owner: ProcessIdentity | None = None
     doing: str = ""
     since: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -104,6 +111,7 @@ class Hold:
             partition=None if data.get("partition") is None else int(data["partition"]),
             pool=str(data["pool"]) if data.get("pool") else None,
             image_id=str(data["image_id"]) if data.get("image_id") else None,
+            saved_bytes=int(data.get("saved_bytes") or 0),
             owner=ProcessIdentity.from_dict(owner) if isinstance(owner, dict) else None,
             doing=str(data.get("doing", "")),
             since=str(data.get("since", "")),

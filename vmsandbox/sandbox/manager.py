@@ -46,9 +46,11 @@ from vmsandbox.sandbox.record import (
     SandboxFiles,
     prepare_state_dirs,
 )
+from vmsandbox.sandbox.resume import resume as resume_sandbox
 from vmsandbox.sandbox.settle import UNSETTLED, require_running, settle, settle_all
 from vmsandbox.sandbox.spec import SandboxSpec, generate_name
 from vmsandbox.sandbox.store import SandboxStore
+from vmsandbox.sandbox.suspend import suspend as suspend_sandbox
 from vmsandbox.vm import virt
 from vmsandbox.vm.hypervisor import Hypervisor, LibvirtHypervisor
 
@@ -67,6 +69,7 @@ class SandboxManager(SandboxAccess):
     """
 
     checkpoint: Callable[[str], None] = staticmethod(runner.no_checkpoint)
+    guest_run: Callable[..., ssh.ExecResult] = staticmethod(ssh.run)  # suspend's, resume's
 
     def __init__(
         self,
@@ -294,6 +297,24 @@ class SandboxManager(SandboxAccess):
         (with ``uuid``: only in the sandbox of that identity, NOT_FOUND otherwise)."""
         with self.locked("record a runtime generation"):
             return self.store.update(name, uuid=uuid, generation=generation)
+
+    # -- suspend and resume (suspend.py, resume.py) ------------------------------------------
+
+    def suspend(self, name: str, *, force: bool = False, uuid: str | None = None) -> Sandbox:
+        """Save the running guest's memory to disk and give its GPUs back (suspend.py);
+        idempotent for a suspended sandbox. ``force`` ends guest processes that hold a GPU."""
+        found = self.store.require(name, uuid)
+        how = self.store, self.locked, found
+        suspend_sandbox(*how, force=force, progress=self.progress, guest_run=self.guest_run)
+        return self.get(name, uuid=found.uuid)
+
+    def resume(self, name: str, *, verify: bool = True, uuid: str | None = None) -> Sandbox:
+        """Restore a suspended sandbox and return once SSH answers, GPUs of its model taken
+        again (resume.py); idempotent for a running one. RESOURCE_EXHAUSTED (still suspended)
+        when no such GPUs are free."""
+        found = self.store.require(name, uuid)
+        how = self.progress, self.gpus, self.guest_run, verify
+        return self.get(name, uuid=resume_sandbox(self.store, self.locked, found, *how).uuid)
 
     # -- lifetime (lifetime.py) --------------------------------------------------------------
 

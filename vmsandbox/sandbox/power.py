@@ -34,7 +34,10 @@ from vmsandbox.sandbox.record import (
     STATE_FAILED,
     STATE_POOLED,
     STATE_READY,
+    STATE_RESUMING,
     STATE_STARTING,
+    STATE_SUSPENDED,
+    STATE_SUSPENDING,
     SandboxFiles,
     SandboxRecord,
 )
@@ -109,6 +112,11 @@ def start(hypervisor: Hypervisor, config: Config, found: Found, lock: Lock) -> b
     record, state, uuid = found.record, found.state, found.uuid or None
     domain = record.domain  # a claimed pooled guest's domain keeps the guest's name
     check_powerable(record, state)
+    if state in (STATE_SUSPENDED, STATE_SUSPENDING, STATE_RESUMING):  # libvirt would restore it
+        raise FailedPrecondition(
+            f"sandbox {record.name!r} is {state}; 'vmsandbox resume {record.name}' restores it",
+            details={"name": record.name, "state": state},
+        )
     if hypervisor.running(domain, uuid=uuid):
         return False
     netguard.before_start(config)

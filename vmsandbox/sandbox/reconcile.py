@@ -21,6 +21,11 @@ Left over, and taken apart (teardown.finish, slow parts outside the lock):
 - files with no domain and no reservation (removed at once, under the lock);
 - owner files (``owners/``) that nobody keeps locked: their processes were killed.
 
+A suspend or resume whose process was killed (its hold's ``doing``) is not taken apart but
+settled (suspend.py's ``settle``): a guest whose memory is saved is ``suspended`` with no GPU
+held, one that runs is ``ready`` with the GPUs it holds; a suspended sandbox's save file is
+never removed here (only destroy removes it).
+
 Also under the lock: a settled reservation whose domain is gone (removed by something else
 than vmsandbox) is dropped; a sandbox made before reservations existed gets one; tombstones of
 domains no longer listed are forgotten. Last, the fabric ledger: a Fabric Manager partition
@@ -43,7 +48,7 @@ from vmsandbox.errors import InvalidArgument, VmSandboxError
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.sandbox import custody
 from vmsandbox.sandbox.create import Remains
-from vmsandbox.sandbox.holds import Hold, Holds, own, owners_folder
+from vmsandbox.sandbox.holds import SAVES, Hold, Holds, own, owners_folder
 from vmsandbox.sandbox.pool.shapes import holds as of_shape
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
@@ -52,6 +57,7 @@ from vmsandbox.sandbox.record import (
     SandboxRecord,
 )
 from vmsandbox.sandbox.reserve import HostView
+from vmsandbox.sandbox.suspend import settle as settle_save
 from vmsandbox.sandbox.teardown import finish
 from vmsandbox.validate import validate_name
 from vmsandbox.vm.domain import DOMAIN_PREFIX
@@ -66,12 +72,14 @@ class Report:
     removed: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     fabric_partitions: list[int] = field(default_factory=list)  # deactivated and forgotten
+    settled: list[str] = field(default_factory=list)  # "name: state" of interrupted saves
 
     def to_dict(self) -> dict[str, list[str]]:
         return {
             "removed": sorted(set(self.removed)),
             "problems": self.problems,
             "fabric_partitions": [str(partition) for partition in sorted(self.fabric_partitions)],
+            **({"settled": self.settled} if self.settled else {}),
         }
 
 
@@ -120,7 +128,11 @@ def _decide(
         targets.append(Remains(hypervisor, config, name, files, record, hold.uuid, owner))
 
     for hold in current.values():
-        if hold.left_over:
+        if hold.left_over and hold.doing in SAVES and hold.uuid in listed:
+            # a suspend or resume killed halfway: finished or returned, never taken apart
+            settled = settle_save(hypervisor, config, hold.uuid)
+            report.settled.append(f"{hold.name}: {settled}")
+        elif hold.left_over:
             stored = listed.get(hold.uuid)
             take(hold, _record(stored))
         elif (

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from vmsandbox.errors import FailedPrecondition, InvalidArgument
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.guest.keys import SandboxKeys
+from vmsandbox.sandbox.suspension import Suspension
 from vmsandbox.validate import validate_name
 from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.process import ProcessIdentity
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 # 8: ``owner``, who asked for it through the OpenShell driver (openshell/caller.py).
 # 9: ``boot_seconds``, how long its last boot took to answer SSH (shown by ``show``).
 # 10: ``expires_at``, the end of a sandbox's lifetime (``create --ttl``; lifetime.py).
-SCHEMA_VERSION = 10
+# 11: ``suspended``, what a suspended sandbox needs to come back (suspension.py).
+SCHEMA_VERSION = 11
 
 STATE_CREATING = "creating"  # being made; reconcile removes it once its creator is gone
 STATE_DEFINED = "defined"  # defined on purpose without starting (create(start=False))
@@ -45,6 +47,10 @@ STATE_POOLED = "pooled"  # a booted guest of the warm pool, not claimed yet (poo
 STATE_STARTING = "starting"  # started by power.start; ready once wait() saw SSH (and the GPUs)
 STATE_FAILED = "failed"  # started, but the guest did not come up; ``failure`` says why
 STATE_STOPPED = "stopped"  # never stored: what a sandbox whose domain does not run shows
+STATE_SUSPENDING = "suspending"  # a suspend is at work: GPUs let go, memory being saved
+STATE_SUSPENDED = "suspended"  # its memory is saved to disk: no QEMU, no GPU held (suspend.py)
+STATE_RESUMING = "resuming"  # a resume is at work: memory restored, GPUs taken and attached
+STATE_PARKED = "parked"  # a pooled guest of a ``park`` shape, its memory saved to disk
 # What each state means, as ``vmsandbox show`` prints it beside the state (docs/usage.md has
 # the same table, with the transitions between them).
 STATE_MEANINGS = {
@@ -62,6 +68,12 @@ STATE_MEANINGS = {
     ),
     STATE_STOPPED: "its guest does not run; disk and GPUs kept; 'vmsandbox start' starts it",
     STATE_POOLED: "a warm-pool guest that no create has claimed yet",
+    STATE_SUSPENDING: "a suspend is letting its GPUs go and saving its memory",
+    STATE_SUSPENDED: (
+        "its memory is saved to disk; no memory or GPU held; 'vmsandbox resume' brings it back"
+    ),
+    STATE_RESUMING: "a resume is restoring its memory and taking GPUs for it",
+    STATE_PARKED: "a warm-pool guest saved to disk; a claim restores it",
 }
 
 # libvirt writes each QEMU domain's own log here (qemu:///system); destroy removes it too.
@@ -149,6 +161,9 @@ class SandboxRecord:
     # When the sandbox's lifetime ends (UTC, ``%Y-%m-%dT%H:%M:%SZ``): ``vmsandbox reap``
     # destroys it from then on. None: it lives until destroyed.
     expires_at: str | None = None
+    # Suspended (or being suspended or resumed): the GPUs to take again and where they go;
+    # its GPUs (``gpus``) are those held now. None: not suspended.
+    suspended: Suspension | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -197,6 +212,7 @@ class SandboxRecord:
             "owner": self.owner,
             "boot_seconds": self.boot_seconds,
             "expires_at": self.expires_at,
+            "suspended": self.suspended.to_dict() if self.suspended else None,
         }
 
     @classmethod
@@ -205,8 +221,8 @@ class SandboxRecord:
         records from before NVSwitch fabrics (no ``fabric_partition``, no ``switches``),
         version 2 (no ``failure``, no ``starter``), version 3 (no ``guest``) and version 4 (no
         ``credential``), version 5 (no ``hotplug``), version 6 (no ``generation``), version 7
-        (no ``owner``), version 8 (no ``boot_seconds``) and version 9 (no ``expires_at``: no
-        lifetime).
+        (no ``owner``), version 8 (no ``boot_seconds``), version 9 (no ``expires_at``: no
+        lifetime) and version 10 (no ``suspended``: never suspended).
 
         FAILED_PRECONDITION for a record of a newer vmsandbox: guessing at fields it added could
         remove or misreport a sandbox.
@@ -224,6 +240,7 @@ class SandboxRecord:
         starter = data.get("starter")
         failure = data.get("failure")
         hotplug = data.get("hotplug")
+        suspended = data.get("suspended")
         return cls(
             name=name,
             image=str(data.get("image", "?")),
@@ -259,6 +276,7 @@ class SandboxRecord:
             owner=str(data["owner"]) if data.get("owner") else None,
             boot_seconds=_optional_float(data.get("boot_seconds")),
             expires_at=str(data["expires_at"]) if data.get("expires_at") else None,
+            suspended=Suspension.from_dict(suspended) if isinstance(suspended, dict) else None,
             version=SCHEMA_VERSION,
         )
 

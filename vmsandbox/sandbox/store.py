@@ -27,9 +27,12 @@ from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
     STATE_DEFINED,
+    STATE_RESUMING,
     STATE_STARTED,
     STATE_STARTING,
     STATE_STOPPED,
+    STATE_SUSPENDED,
+    STATE_SUSPENDING,
     SandboxFiles,
     SandboxRecord,
     names_domain,
@@ -37,6 +40,9 @@ from vmsandbox.sandbox.record import (
 from vmsandbox.validate import validate_name
 from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor, Stored
+
+# States shown as stored although the guest does not run: its memory is (being) saved.
+SAVED_STATES = (STATE_SUSPENDED, STATE_SUSPENDING, STATE_RESUMING)
 
 
 @dataclass(frozen=True)
@@ -212,7 +218,7 @@ class SandboxStore:
             running = True
         starter = record.starter
         starting = state == STATE_STARTING and starter is not None and starter.alive()
-        held = running or starting or state in (STATE_CREATING, STATE_DEFINED)
+        held = running or starting or state in (STATE_CREATING, STATE_DEFINED, *SAVED_STATES)
         if running and state == STATE_STARTING and not starting:
             state = STATE_STARTED  # its starter is gone: nobody is waiting for it any more
         files = SandboxFiles.of(self.config, record.stem)

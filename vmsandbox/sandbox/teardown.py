@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, NotFound, VmSandboxError
+from vmsandbox.gpu.custody.work import release
 from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.sandbox import custody
 from vmsandbox.sandbox.create import Remains
@@ -133,7 +135,7 @@ def _take_over(
         return None
     record = found.record if found else None
     uuid = found.uuid if found else hold.uuid if hold else ""
-    holds.put(replace(hold or _hold_of(record, uuid), owner=owner.identity, doing="destroy"))
+    holds.put(replace(hold or hold_of(record, uuid), owner=owner.identity, doing="destroy"))
     return Remains(hypervisor, config, name, files, record, uuid=uuid, owner=owner)
 
 
@@ -143,7 +145,7 @@ def _unclaimed(hold: Hold | None, found: Found | None) -> bool:
     return found is not None and found.record.guest is None and found.state == "pooled"
 
 
-def _hold_of(record: SandboxRecord | None, uuid: str) -> Hold:
+def hold_of(record: SandboxRecord | None, uuid: str) -> Hold:
     """A hold for a sandbox made before holds existed, read from its record with everything
     it holds: once a hold names its UUID, the allocation counts its domain's GPUs and
     partition from the hold alone, and they must not look free until the domain is gone."""
@@ -195,6 +197,26 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
             f"sandbox {remains.name!r} was not removed completely: " + "; ".join(failures + fabric),
             details={"remaining": [str(path) for path in remains.files.existing()]},
         )
+
+
+def release_gpus(holds: Holds, hold: Hold, cause: str) -> Hold:
+    """Under the lock: ``hold`` keeps its sandbox (name, port, owner) but lets its GPUs and
+    their companions go (a suspend, or a resume that did not keep the GPUs it reserved): the
+    same release ``Holds.drop`` makes for a destroy, each GPU ``sanitizing`` in its custody
+    before the hold stops naming it (``cause`` says why), so that no GPU is free before it
+    is reset and cleared. The hold's Fabric Manager partition stays leased to the sandbox.
+    Returns the hold as written; the caller hands ``hold.gpus`` to ``sanitize_released``
+    once the lock is let go."""
+    if hold.gpus:
+        release(holds.config, hold.gpus, cause, hold.partition)
+    return holds.put(replace(hold, gpus=()))
+
+
+def sanitize_released(config: Config, lock: Lock, gpus: tuple[str, ...]) -> list[str]:
+    """Outside the lock, once ``release_gpus`` let ``gpus`` go: each reset, checked and
+    cleared by custody, as ``finish`` does after a destroy (a GPU that fails is quarantined);
+    what went wrong, one line per GPU."""
+    return custody.sanitize(config, lock, gpus)
 
 
 def _remove_files(remains: Remains) -> None:

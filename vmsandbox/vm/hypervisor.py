@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -94,9 +95,14 @@ class Stored:
 
 class Hypervisor(Protocol):
     """What the manager asks of a hypervisor. Every method names the domain; ``stop``,
-    ``shutdown`` (the guest's ACPI power button), ``undefine`` and ``detach`` succeed when
-    there is nothing to do. ``attach``/``detach`` take a device's XML (a GPU-ready pooled
-    guest's hostdevs, gpu/hotplug.py).
+    ``shutdown`` (the guest's ACPI power button), ``undefine``, ``detach`` and
+    ``discard_save`` succeed when there is nothing to do. ``attach``/``detach`` take a device's
+    XML (a GPU-ready pooled guest's hostdevs, gpu/hotplug.py; a suspended GPU sandbox's).
+
+    ``save`` is libvirt's managed save: the running guest's memory goes to a file libvirt
+    keeps, QEMU ends, and the domain is off until ``start`` restores it (both bypass the host's
+    page cache); ``saved`` says whether there is such a file and its size, ``discard_save``
+    removes it, and so does ``undefine``. A guest holding a PCI host device cannot be saved.
 
     Every method of one domain also takes a ``uuid``: given one, it acts on (or reads) the
     domain with that UUID only, whatever its name, and finds nothing when there is none (as
@@ -108,6 +114,9 @@ class Hypervisor(Protocol):
 
     def define(self, xml: str) -> None: ...
     def start(self, domain: str, uuid: str | None = None) -> None: ...
+    def save(self, domain: str, uuid: str | None = None) -> None: ...
+    def saved(self, domain: str, uuid: str | None = None) -> int | None: ...
+    def discard_save(self, domain: str, uuid: str | None = None) -> None: ...
     def stop(self, domain: str, uuid: str | None = None) -> None: ...
     def shutdown(self, domain: str, uuid: str | None = None) -> None: ...
     def undefine(self, domain: str, uuid: str | None = None) -> None: ...
@@ -134,7 +143,10 @@ _SHUTOFF_REASONS = {
     libvirt.VIR_DOMAIN_SHUTOFF_CRASHED: "QEMU crashed",
     libvirt.VIR_DOMAIN_SHUTOFF_FAILED: "QEMU failed to start or run",
     libvirt.VIR_DOMAIN_SHUTOFF_DAEMON: "libvirtd stopped it",
+    libvirt.VIR_DOMAIN_SHUTOFF_SAVED: "its memory was saved to disk (suspended)",
 }
+# Where libvirt's QEMU driver keeps managed save files (its save_dir), per connection kind.
+_SAVE_DIRS = {"qemu:///system": "/var/lib/libvirt/qemu/save"}
 
 
 class LibvirtHypervisor:
@@ -170,9 +182,45 @@ class LibvirtHypervisor:
             self.conn.defineXML(xml)
 
     def start(self, domain: str, uuid: str | None = None) -> None:
+        """Boot the domain, or restore its saved memory when it has a managed save."""
         dom = self._domain(domain, uuid)
         with libvirt_errors(f"starting {_what(domain)}"):
-            dom.create()
+            dom.createWithFlags(libvirt.VIR_DOMAIN_START_BYPASS_CACHE)
+
+    def save(self, domain: str, uuid: str | None = None) -> None:
+        """Save the running guest's memory (managed save, raw, past the page cache); it
+        restores running. FAILED_PRECONDITION for a domain that does not run or holds a host
+        PCI device."""
+        dom = self._domain(domain, uuid)
+        with libvirt_errors(f"saving the memory of {_what(domain)}"):
+            dom.managedSave(libvirt.VIR_DOMAIN_SAVE_BYPASS_CACHE | libvirt.VIR_DOMAIN_SAVE_RUNNING)
+
+    def saved(self, domain: str, uuid: str | None = None) -> int | None:
+        """The size in bytes of the domain's managed save; None when it has none (or the
+        domain is gone); 0 when libvirt keeps it where no size can be read (not
+        qemu:///system)."""
+        try:
+            dom = self._lookup(domain, uuid)
+            if not dom.hasManagedSaveImage(0):
+                return None
+            name = str(dom.name())
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                return None
+            raise translate(exc, f"reading whether {_what(domain)} is saved") from exc
+        folder = _SAVE_DIRS.get(self.uri.split("?", 1)[0].replace("qemu+unix", "qemu"))
+        try:
+            return os.stat(f"{folder}/{name}.save").st_size if folder else 0
+        except OSError:
+            return 0
+
+    def discard_save(self, domain: str, uuid: str | None = None) -> None:
+        """Remove the domain's managed save (its next start boots afresh)."""
+        try:
+            self._lookup(domain, uuid).managedSaveRemove(0)
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() != libvirt.VIR_ERR_NO_DOMAIN:
+                raise translate(exc, f"discarding the saved memory of {_what(domain)}") from exc
 
     def _lookup(self, domain: str, uuid: str | None) -> libvirt.virDomain:
         """The domain by its UUID when one is given, else by name (libvirtError when none)."""

@@ -1,6 +1,7 @@
 """The control channel (guest/programs/control.py in the guest, guest/control.py on the host), on
 the host: the guest's parser takes only ``claim NAME`` and ``hostname NAME`` with a sandbox name
-and runs no program, and a claim is refused while sshd does not run; its answers and its writes
+and ``wake NANOSECONDS HEX`` with a clock and a 32-byte seed, and runs no program, and a claim
+or a wake is answered ok only while sshd runs; its answers and its writes
 go to a root folder of the test's own; the host's client talks to the guest's real request loop
 over a socket pair standing in for the virtio port.
 Its run in a real guest (the claim of a pooled guest) is covered by tests/e2e/test_pool.py."""
@@ -12,6 +13,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +74,74 @@ def _never(name: str) -> None:
 
 def _running() -> None:
     return None
+
+
+def test_a_wake_sets_the_clock_and_the_seed_then_checks_sshd() -> None:
+    woken: list[tuple[int, bytes]] = []
+
+    def wake(clock: int, seed: bytes) -> None:
+        woken.append((clock, seed))
+
+    line = f"wake 1764190000123456789 {'ab' * 32}\n".encode()
+    assert answer(line, apply=_never, sshd=_running, woken=wake) == b"ok\n"
+    assert woken == [(1764190000123456789, b"\xab" * 32)]
+    dead = answer(line, apply=_never, sshd=lambda: "sshd is not running", woken=wake)
+    assert dead == b"error: sshd is not running\n"
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        (f"wake x {'ab' * 32}\n", "is not a clock"),
+        (f"wake -1 {'ab' * 32}\n", "is not a clock"),
+        (f"wake {'1' * 21} {'ab' * 32}\n", "is not a clock"),
+        ("wake 17\n", "the seed is not 32 bytes"),
+        (f"wake 17 {'ab' * 31}\n", "the seed is not 32 bytes"),
+        (f"wake 17 {'AB' * 32}\n", "the seed is not 32 bytes"),
+        (f"wake 17 {'ab' * 32};reboot\n", "the seed is not 32 bytes"),
+    ],
+)
+def test_a_wake_takes_only_a_clock_and_a_seed(line: str, why: str) -> None:
+    with pytest.raises(RequestError, match=why):
+        parse(line.encode())
+
+    def never(_clock: int, _seed: bytes) -> None:
+        raise AssertionError("a refused wake reached the clock")
+
+    assert answer(line.encode(), apply=_never, sshd=_running, woken=never).startswith(b"error: ")
+
+
+def test_the_client_wakes_a_guest_with_this_hosts_time(tmp_path: Path) -> None:
+    """The host sends its clock and fresh bytes; an older guest's refusal is False (the
+    caller falls back to SSH)."""
+    path = tmp_path / "control.sock"
+    seen: list[tuple[int, bytes]] = []
+
+    def wake(clock: int, seed: bytes) -> None:
+        seen.append((clock, seed))
+
+    before = time.time_ns()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def reply() -> None:
+        conn, _ = server.accept()
+        with conn:
+            line = conn.makefile("rb").readline()
+            conn.sendall(answer(line, apply=_never, sshd=_running, woken=wake))
+        server.close()
+
+    thread = threading.Thread(target=reply, daemon=True)
+    thread.start()
+    assert control.wake(path, guest="box") is True
+    thread.join()
+    assert before <= seen[0][0] <= time.time_ns() and len(seen[0][1]) == 32
+    path.unlink()
+    old = b"error: unknown request 'wake' (they are 'claim NAME', 'hostname NAME')\n"
+    thread = _one_answer(path, old)
+    assert control.wake(path, guest="box") is False
+    thread.join()
 
 
 def test_a_claim_takes_the_name_only_while_sshd_runs() -> None:

@@ -10,6 +10,7 @@ from vmsandbox.errors import FailedPrecondition
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.sandbox import credential
 from vmsandbox.sandbox.record import SCHEMA_VERSION, HotplugRecord, SandboxRecord
+from vmsandbox.sandbox.suspension import Suspension
 
 # A record as vmsandbox wrote it before the schema had a version (state inside, no "version").
 VERSION_1 = {
@@ -147,4 +148,28 @@ def test_a_version_9_record_has_no_lifetime_and_an_expiry_round_trips() -> None:
     assert old.expires_at is None and old.to_dict()["expires_at"] is None
     mortal = replace(old, expires_at="2026-11-01T12:00:00Z")
     assert SandboxRecord.from_dict(mortal.to_dict()) == mortal
-    assert mortal.to_dict()["version"] == SCHEMA_VERSION == 10
+    assert mortal.to_dict()["version"] == SCHEMA_VERSION
+
+
+def test_a_version_10_record_is_not_suspended_and_a_suspension_round_trips() -> None:
+    """Version 11 adds ``suspended``: the GPUs a suspended sandbox takes again (by model and
+    count), their guest buses, what the guest quiesced and the size of the saved memory. A
+    version 10 record reads as never suspended."""
+    old = SandboxRecord.from_dict({**VERSION_1, "version": 10, "expires_at": None})
+    assert old.suspended is None and old.to_dict()["suspended"] is None
+    gpu = GpuRecord("0000:41:00.0", "nvidia", "0x10de", "0x2330", name="NVIDIA H100")
+    suspended = replace(
+        old,
+        suspended=Suspension(
+            at="2026-11-26T21:00:00Z",
+            gpus=(gpu,),
+            buses=(7,),
+            firmware="uefi",
+            guest={"checkpointed": [412], "unloaded": ["nvidia"]},
+            save_bytes=123 << 20,
+        ),
+    )
+    assert SandboxRecord.from_dict(suspended.to_dict()) == suspended
+    assert suspended.to_dict()["version"] == SCHEMA_VERSION == 11
+    assert suspended.suspended is not None and suspended.suspended.checkpointed == [412]
+    assert suspended.suspended.shown()["gpus"][0]["bdf"] == "0000:41:00.0"

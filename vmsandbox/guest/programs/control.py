@@ -8,12 +8,17 @@ sandbox's private folder that only vmsandbox (root) opens. A claim of a pooled g
 new hostname through it: a few milliseconds, where an SSH login, a shell and sudo took half a
 second under TCG.
 
-It accepts two requests, one line each, with NAME in vmsandbox's sandbox name grammar (lowercase
-letters, digits and inner dashes, at most 48), and answers ``ok`` or ``error: WHY``:
+It accepts three requests, one line each, with NAME in vmsandbox's sandbox name grammar
+(lowercase letters, digits and inner dashes, at most 48), and answers ``ok`` or ``error: WHY``:
 ``claim NAME`` (a claim: the guest takes NAME as its hostname once it has checked that its sshd
-runs, so a guest whose sshd has died is never handed out) and ``hostname NAME`` (the hostname
-alone, as older hosts ask). Nothing it reads reaches a shell or a program: the name is written
-to /proc/sys/kernel/hostname, /etc/hostname and /etc/hosts by this program itself. Standard
+runs, so a guest whose sshd has died is never handed out), ``hostname NAME`` (the hostname
+alone, as older hosts ask) and ``wake NANOSECONDS HEX`` (a resume: the guest's memory was
+saved and restored, so its clock is as far behind as it was suspended and its random number
+generator's state is a copy of an earlier one: the clock is set to the host's, given in
+nanoseconds since the epoch, the 32 bytes of HEX, drawn by the host, are credited to the
+kernel's entropy pool and the kernel reseeds at once, then sshd is checked as for a claim).
+Nothing it reads reaches a shell or a program: the name is written to
+/proc/sys/kernel/hostname, /etc/hostname and /etc/hosts by this program itself. Standard
 library only: it runs with ``python3 -I -S``.
 """
 
@@ -23,6 +28,7 @@ import fcntl
 import os
 import re
 import signal
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -35,7 +41,13 @@ PORT_NAME = "org.vmsandbox.control.0"
 NAME_MAX = 48
 NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\Z")
 REQUEST_MAX = 128  # bytes of one request line, newline included
-VERBS = ("claim", "hostname")
+VERBS = ("claim", "hostname", "wake")
+SEED_BYTES = 32  # what ``wake`` credits to the kernel's entropy pool
+CLOCK_DIGITS = 20  # nanoseconds since the epoch, as a whole number
+# linux/random.h: RNDADDENTROPY = _IOW('R', 0x03, int[2]); RNDRESEEDCRNG = _IO('R', 0x07).
+RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
+RANDOM = Path("/dev/random")
 SSHD_PID_FILE = Path("/run/sshd.pid")  # sshd's PidFile (Debian's default)
 PORT_WAIT_S = 30.0
 POLL_S = 0.1
@@ -49,7 +61,8 @@ class RequestError(Exception):
 
 
 def parse(line: bytes) -> tuple[str, str]:
-    """The verb and the hostname a request line asks for; RequestError for anything else."""
+    """The verb and its argument (the hostname; for ``wake`` the clock and the seed) a request
+    line asks for; RequestError for anything else."""
     if not line.endswith(b"\n"):
         raise RequestError("a request is one line ending in a newline")
     try:
@@ -59,8 +72,16 @@ def parse(line: bytes) -> tuple[str, str]:
     verb, _, name = text.partition(" ")
     if verb not in VERBS:
         raise RequestError(
-            f"unknown request {verb[:20]!r} (they are 'claim NAME', 'hostname NAME')"
+            f"unknown request {verb[:20]!r} (they are 'claim NAME', 'hostname NAME', "
+            "'wake NANOSECONDS HEX')"
         )
+    if verb == "wake":
+        clock, _, seed = name.partition(" ")
+        if not (clock.isdigit() and clock.isascii() and 0 < len(clock) <= CLOCK_DIGITS):
+            raise RequestError(f"wake: {clock[: CLOCK_DIGITS + 1]!r} is not a clock in nanoseconds")
+        if len(seed) != 2 * SEED_BYTES or not all(c in "0123456789abcdef" for c in seed):
+            raise RequestError(f"wake: the seed is not {SEED_BYTES} bytes in lowercase hex")
+        return verb, name
     if not name or len(name) > NAME_MAX or not NAME_RE.match(name):
         raise RequestError(
             f"hostname {name[: NAME_MAX + 1]!r} is not a sandbox name (1-{NAME_MAX} lowercase "
@@ -106,18 +127,39 @@ def set_hostname(
     kernel.write_text(name)
 
 
+def wake(clock_ns: int, seed: bytes, random: Path = RANDOM) -> None:
+    """After a resume: the clock set to ``clock_ns`` (CLOCK_REALTIME), ``seed`` credited to
+    the kernel's entropy pool and the kernel's random number generator reseeded from it."""
+    time.clock_settime_ns(time.CLOCK_REALTIME, clock_ns)
+    fd = os.open(random, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        info = struct.pack("ii", 8 * len(seed), len(seed)) + seed
+        fcntl.ioctl(fd, RNDADDENTROPY, info)
+        fcntl.ioctl(fd, RNDRESEEDCRNG)
+    finally:
+        os.close(fd)
+
+
 def answer(
     line: bytes,
     apply: Callable[[str], None] = set_hostname,
     sshd: Callable[[], str | None] = sshd_running,
+    woken: Callable[[int, bytes], None] = wake,
 ) -> bytes:
     """The answer line to one request line."""
     try:
         verb, name = parse(line)
-        problem = sshd() if verb == "claim" else None
+        if verb == "wake":
+            clock, _, seed = name.partition(" ")
+            try:
+                woken(int(clock), bytes.fromhex(seed))
+            except OSError as exc:
+                return f"error: setting the clock and seed failed: {exc.strerror or exc}\n".encode()
+        problem = sshd() if verb in ("claim", "wake") else None
         if problem is not None:
             return f"error: {problem}\n".encode()
-        apply(name)
+        if verb != "wake":
+            apply(name)
     except RequestError as exc:
         return f"error: {exc}\n".encode()
     except OSError as exc:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 
 from vmsandbox.errors import DeadlineExceeded, FailedPrecondition
 from vmsandbox.gpu import hotplug
 from vmsandbox.gpu.record import GpuRecord
+from vmsandbox.guest.ssh import ExecResult
 from vmsandbox.host.bdf import libvirt_address
+from vmsandbox.progress import Progress
 from vmsandbox.sandbox import create
 from vmsandbox.sandbox.record import HotplugRecord, SandboxRecord
 
@@ -73,8 +75,23 @@ def seen(c: create.Creation) -> None:
         hotplug.guest_port(port): (gpu.bdf, gpu.vendor_id.lower(), gpu.device_id.lower())
         for port, gpu in enumerate(record.gpus)
     }
-    command = _SEEN_SCRIPT.format(ports=" ".join(wanted))
     run = functools.partial(c.guest_run, c.endpoint, c.files.keys(record.host_key_alias))
+    wait_seen(run, wanted, c.name, c.progress)
+
+
+def wait_seen(
+    run: Callable[..., ExecResult],
+    wanted: Mapping[str, tuple[str, str, str]],
+    name: str,
+    progress: Progress,
+) -> None:
+    """Wait until the guest (its commands run by ``run``) sees, below each root port of
+    ``wanted`` (its guest PCI address -> host BDF, vendor id, device id of the GPU attached
+    to it), that GPU; DEADLINE_EXCEEDED naming the GPUs it does not see after
+    ``SEEN_TIMEOUT``."""
+    if not wanted:
+        return
+    command = _SEEN_SCRIPT.format(ports=" ".join(wanted))
     started = time.monotonic()
     deadline = started + SEEN_TIMEOUT
     while True:
@@ -84,14 +101,14 @@ def seen(c: create.Creation) -> None:
             found[port] = (vendor.lower(), device.lower())
         missing = [bdf for port, (bdf, *ids) in wanted.items() if found.get(port) != tuple(ids)]
         if not missing:
-            c.progress(f"the guest sees its GPUs after {time.monotonic() - started:.1f} s")
+            progress(f"the guest sees its GPUs after {time.monotonic() - started:.1f} s")
             return
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(
-                f"sandbox {c.name!r}: the guest did not see GPU {', '.join(missing)} within "
-                f"{SEEN_TIMEOUT:.0f} s of attaching it (below its spare ports it saw "
+                f"sandbox {name!r}: the guest did not see GPU {', '.join(missing)} within "
+                f"{SEEN_TIMEOUT:.0f} s of attaching it (below its ports it saw "
                 f"{found or 'nothing'})",
-                details={"name": c.name, "missing": missing},
+                details={"name": name, "missing": missing},
             )
         time.sleep(SEEN_POLL)
 

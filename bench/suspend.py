@@ -1,0 +1,176 @@
+"""Suspend and resume: the boot floor, a suspend, a resume until SSH answers, the host memory a
+suspended guest holds, and cycles of one sandbox in which a process and a file must survive.
+
+Floor: as fast_start.py's, the image's own kernel booted by QEMU (TCG, 1 vCPU, 1 GiB) into a
+busybox initramfs that powers off at once; the mean of one boot before the cycles and one after.
+
+One 1 GiB ``minimal`` sandbox is created (not timed) through the Python API. Before the first
+cycle a process started in it counts in its own memory (a shell loop writing its count to
+/tmp every 0.2 s), and 1 MiB of random bytes is written to a file and its checksum taken.
+Then each cycle:
+
+    suspend_s        ``SandboxManager.suspend``: managed save, QEMU gone
+    suspended RSS    the resident memory of the domain's QEMU process while suspended (0 MiB
+                     when there is none: the save is on disk, not in memory)
+    resume_ssh_s     ``SandboxManager.resume``: restore, SSH answers, clock and seed set
+    intact           the process has its PID, its count went on from where it was, and the
+                     file has its checksum
+
+The running guest's QEMU RSS is read before the first cycle, for scale.
+
+Target (issue 40): resume until SSH answers at most 0.5x the floor (medians); every cycle
+intact. The parked pool (``parked_claim_s``, ``parked_rss_mib``) is not measured here yet.
+
+Usage: .venv/bin/python bench/suspend.py [--cycles 50] [--out DIR] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import common
+import fast_start
+
+RESUME_TARGET = 0.5
+MEMORY_MIB = 1024
+COUNTER = (
+    "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
+    "</dev/null >/dev/null 2>&1 & echo $!"
+)
+PID_DIR = Path("/run/libvirt/qemu")
+
+
+def qemu_rss_mib(domain: str) -> float:
+    """The resident memory of the domain's QEMU process (0.0 when none runs)."""
+    try:
+        pid = int((PID_DIR / f"{domain}.pid").read_text().strip())
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (OSError, ValueError):
+        return 0.0
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+def out(manager: Any, name: str, command: str) -> str:
+    result = manager.exec(name, command, timeout=120)
+    if result.exit_status != 0:
+        raise common.BenchError(f"{command!r} failed in {name}: {result.stderr.strip()}")
+    return str(result.stdout.strip())
+
+
+def cycles(manager: Any, name: str, domain: str, count: int) -> dict[str, Any]:
+    """``count`` suspend/resume cycles of sandbox ``name``, each checked."""
+    pid = out(manager, name, COUNTER)
+    out(manager, name, "head -c 1048576 /dev/urandom > ~/data && sync")
+    checksum = out(manager, name, "sha256sum ~/data")
+    time.sleep(0.5)
+    running_rss = qemu_rss_mib(domain)
+    suspend_s, resume_s, rss, saved, intact = [], [], [], [], 0
+    counted = int(out(manager, name, "cat /tmp/counter"))
+    for number in range(count):
+        start = time.perf_counter()
+        suspended = manager.suspend(name)
+        suspend_s.append(time.perf_counter() - start)
+        rss.append(qemu_rss_mib(domain))
+        saved.append(suspended.saved_bytes)
+        start = time.perf_counter()
+        manager.resume(name)
+        resume_s.append(time.perf_counter() - start)
+        alive = out(manager, name, f"kill -0 {pid} && echo alive") == "alive"
+        time.sleep(0.3)
+        now = int(out(manager, name, "cat /tmp/counter"))
+        same = out(manager, name, "sha256sum ~/data") == checksum
+        ok = alive and now > counted and same
+        intact += ok
+        counted = now
+        print(
+            f"cycle {number + 1}: suspend {suspend_s[-1]:.2f} s, resume {resume_s[-1]:.2f} s, "
+            f"suspended RSS {rss[-1]:.0f} MiB, saved {saved[-1] / 2**20:.0f} MiB, "
+            + ("intact" if ok else f"NOT intact (pid {alive}, count {now}, file {same})")
+        )
+    return {
+        "suspend_s": [round(x, 3) for x in suspend_s],
+        "resume_ssh_s": [round(x, 3) for x in resume_s],
+        "suspended_rss_mib": rss,
+        "saved_bytes": saved,
+        "running_rss_mib": running_rss,
+        "intact": intact,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = common.arguments(__doc__, rounds=1, warmup=0)
+    parser.add_argument("--cycles", type=int, default=50, help="suspend/resume cycles (50)")
+    parser.add_argument("--json", type=Path, help="also write the report to this file")
+    args = common.parse_args(parser, argv)
+    common.require("qemu-system-x86_64", "qemu-img", "genisoimage", "busybox")
+    image = common.IMAGES / common.IMAGE / "current"
+    report = common.Report("suspend", args.rounds, args.warmup)
+    with (
+        common.state_dir("suspend") as state,
+        tempfile.TemporaryDirectory(prefix="bench-suspend-") as folder,
+    ):
+        os.environ.update(common.vmsandbox_env(state))
+        from vmsandbox.config import Config
+        from vmsandbox.sandbox.manager import SandboxManager
+        from vmsandbox.sandbox.spec import SandboxSpec
+
+        initrd = fast_start.floor_initramfs(Path(folder))
+        before = fast_start.floor_seconds(image / "vmlinuz", initrd)
+        name = common.name("suspend", "s")
+        with SandboxManager(Config.load()) as manager:
+            try:
+                made = manager.create(
+                    SandboxSpec(name=name, image=common.IMAGE, memory_mib=MEMORY_MIB)
+                )
+                found = cycles(manager, name, made.domain, args.cycles)
+            finally:
+                manager.destroy(name)
+        after = fast_start.floor_seconds(image / "vmlinuz", initrd)
+    floor = (before + after) / 2
+    figures = {
+        "floor_s": round(floor, 3),
+        "floors_s": [round(before, 3), round(after, 3)],
+        "suspend_s": round(statistics.median(found["suspend_s"]), 3),
+        "resume_ssh_s": round(statistics.median(found["resume_ssh_s"]), 3),
+        "resume_over_floor": round(statistics.median(found["resume_ssh_s"]) / floor, 3),
+        "suspended_rss_mib": max(found["suspended_rss_mib"]),
+        "running_rss_mib": found["running_rss_mib"],
+        "saved_mib": round(statistics.median(found["saved_bytes"]) / 2**20, 1),
+        "cycles": args.cycles,
+        "cycles_intact": found["intact"],
+    }
+    series = [
+        common.Series("boot floor", [before, after]),
+        common.Series("suspend (managed save)", found["suspend_s"]),
+        common.Series("resume until SSH answers, clock set", found["resume_ssh_s"]),
+    ]
+    report.extra.update(
+        series=[s.to_dict() for s in series], figures=figures, per_cycle=found, **figures
+    )
+    report.checks += [
+        common.at_most("resume until SSH / floor", figures["resume_over_floor"], 0.5, "x"),
+        common.at_most("cycles not intact", args.cycles - found["intact"], 0, ""),
+    ]
+    rows = [(key, str(value)) for key, value in figures.items()]
+    print(common.render(("figure", "value"), rows))
+    written = report.write(args.out)
+    if args.json:
+        args.json.write_text(written.read_text())
+        print(f"written to {args.json}")
+    print(json.dumps(figures))
+    return 0 if all(check.met for check in report.checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(common.entry(main))

@@ -1,0 +1,66 @@
+"""Suspend and resume on the real libvirtd, with the run's one booted guest: a process started
+before keeps its PID and its in-memory counter, a file written before keeps its checksum, the
+guest's clock is set right after the resume, and destroy removes the save file."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from framework.sandboxes import cli, leftovers
+
+from vmsandbox.config import Config
+from vmsandbox.sandbox.handle import Sandbox
+from vmsandbox.sandbox.manager import SandboxManager
+
+SAVE_DIR = Path("/var/lib/libvirt/qemu/save")
+COUNTER = (
+    "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
+    "</dev/null >/dev/null 2>&1 & echo $!"
+)
+
+
+def _out(manager: SandboxManager, name: str, command: str) -> str:
+    result = manager.exec(name, command, timeout=60)
+    assert result.exit_status == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_a_suspended_sandbox_comes_back_as_it_was_and_destroy_removes_its_save(
+    manager: SandboxManager, config: Config, booted: Sandbox
+) -> None:
+    name = booted.name
+    pid = _out(manager, name, COUNTER)
+    _out(manager, name, "head -c 1048576 /dev/urandom > ~/data && sync")
+    checksum = _out(manager, name, "sha256sum ~/data")
+    time.sleep(1)
+    counted = int(_out(manager, name, "cat /tmp/counter"))
+
+    done = cli("suspend", name, "--json", config=config)
+    assert done.returncode == 0, done.stderr
+    suspended = json.loads(done.stdout)["sandboxes"][0]
+    assert suspended["state"] == "suspended" and suspended["saved_bytes"] > 0
+    save = SAVE_DIR / f"{booted.domain}.save"
+    assert save.exists() and save.stat().st_size == suspended["saved_bytes"]
+    assert not manager.hypervisor.running(booted.domain)
+    listed = json.loads(cli("list", "--json", config=config).stdout)
+    assert [s["state"] for s in listed["sandboxes"] if s["name"] == name] == ["suspended"]
+    assert listed["saved_bytes"] >= suspended["saved_bytes"]
+    time.sleep(5)  # the guest's clock stands still meanwhile; the resume sets it
+
+    resumed = manager.resume(name)
+    assert resumed.state == "ready" and resumed.saved_bytes == 0
+    assert not save.exists()
+    guest_clock = float(_out(manager, name, "date +%s.%N"))
+    assert abs(guest_clock - time.time()) < 3
+    assert _out(manager, name, f"kill -0 {pid} && echo alive") == "alive"
+    time.sleep(1)
+    assert int(_out(manager, name, "cat /tmp/counter")) > counted
+    assert _out(manager, name, "sha256sum ~/data") == checksum
+
+    manager.suspend(name)
+    assert save.exists()
+    done = cli("destroy", name, config=config)
+    assert done.returncode == 0, done.stderr
+    assert not save.exists() and leftovers(config, name) == []

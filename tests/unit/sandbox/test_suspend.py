@@ -1,0 +1,248 @@
+"""Suspend and resume of a sandbox without GPUs (sandbox/suspend.py, resume.py) against the
+in-memory hypervisor (tests/framework/fake_hypervisor.py), which keeps libvirt's rules of managed
+save: the states shown, the save file's accounting against ``max_saved_gib``, destroy removing
+the save, and a suspend or resume killed halfway settled by reconcile, never taken apart.
+A guest whose sshd answers at once and that runs every command (the clock set over SSH)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from framework.fake_hypervisor import FakeHypervisor, refuse, unit_config
+
+from vmsandbox.config import Config
+from vmsandbox.errors import FailedPrecondition, NotFound, ResourceExhausted
+from vmsandbox.guest.ssh import ExecResult
+from vmsandbox.sandbox import boot
+from vmsandbox.sandbox.holds import Holds
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.record import SandboxRecord
+from vmsandbox.sandbox.spec import SandboxSpec
+from vmsandbox.vm.process import ProcessIdentity
+
+DOMAIN = "vmsbx-box"
+DEAD = ProcessIdentity(pid=1, start="0", boot="another boot")
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Config:
+    return unit_config(tmp_path)
+
+
+@pytest.fixture
+def hv() -> FakeHypervisor:
+    return FakeHypervisor()
+
+
+@pytest.fixture
+def commands() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def manager(
+    config: Config, hv: FakeHypervisor, commands: list[str], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[SandboxManager]:
+    monkeypatch.setattr(boot, "wait_ready", lambda *_a, **_k: 0.25)
+
+    def guest_run(_endpoint: Any, _keys: Any, command: str, **_kwargs: Any) -> ExecResult:
+        commands.append(command)
+        return ExecResult(0, "", "")
+
+    with SandboxManager(config, hypervisor=hv, reconcile=False) as mgr:
+        mgr.guest_run = guest_run  # type: ignore[method-assign]
+        yield mgr
+
+
+def made(manager: SandboxManager, name: str = "box", memory_mib: int = 256) -> str:
+    spec = SandboxSpec(name=name, image="tiny", memory_mib=memory_mib, disk_gib=1)
+    return manager.create(spec, wait=False).uuid
+
+
+def record(hv: FakeHypervisor, domain: str = DOMAIN) -> SandboxRecord:
+    return SandboxRecord.from_dict(hv.domains[domain].data or {})
+
+
+def test_a_suspended_sandbox_is_saved_not_running_and_shown_suspended(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config
+) -> None:
+    uuid = made(manager)
+    sandbox = manager.suspend("box")
+    dom = hv.domains[DOMAIN]
+    assert sandbox.state == "suspended" and not dom.running
+    assert dom.saved == 256 * 2**20 // FakeHypervisor.SAVE_FRACTION
+    assert sandbox.saved_bytes == dom.saved and sandbox.to_dict()["saved_bytes"] == dom.saved
+    assert [s.state for s in manager.list()] == ["suspended"]
+    hold = Holds(config).all()[uuid]
+    assert hold.owner is None and hold.saved_bytes == dom.saved
+    assert record(hv).suspended is not None
+
+
+def test_suspend_is_idempotent(manager: SandboxManager, hv: FakeHypervisor) -> None:
+    made(manager)
+    manager.suspend("box")
+    assert manager.suspend("box").state == "suspended"
+    assert hv.calls.count(("save", DOMAIN)) == 1
+
+
+def test_resume_restores_sets_the_clock_and_is_ready(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config, commands: list[str]
+) -> None:
+    uuid = made(manager)
+    manager.suspend("box")
+    sandbox = manager.resume("box")
+    assert sandbox.state == "ready" and hv.domains[DOMAIN].running
+    assert hv.domains[DOMAIN].saved is None
+    assert sandbox.suspended is None and sandbox.saved_bytes == 0
+    assert any("date -u -s @" in command and "/dev/urandom" in command for command in commands)
+    hold = Holds(config).all()[uuid]
+    assert hold.owner is None and hold.saved_bytes == 0
+    assert manager.resume("box").state == "ready"  # idempotent
+
+
+def test_a_sandbox_that_does_not_run_cannot_be_suspended(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    made(manager)
+    manager.stop("box", grace=1)
+    with pytest.raises(FailedPrecondition, match="does not run"):
+        manager.suspend("box")
+    with pytest.raises(NotFound):
+        manager.suspend("nobody")
+
+
+def test_a_sandbox_that_is_not_suspended_cannot_be_resumed(manager: SandboxManager) -> None:
+    made(manager)
+    manager.stop("box", grace=1)
+    with pytest.raises(FailedPrecondition, match="not suspended"):
+        manager.resume("box")
+
+
+def test_a_suspend_past_max_saved_gib_is_refused_and_leaves_it_running(
+    config: Config, hv: FakeHypervisor, manager: SandboxManager
+) -> None:
+    manager.config = replace(config, max_saved_gib=1)
+    manager.store.config = manager.config
+    made(manager, "one", memory_mib=768)
+    made(manager, "two", memory_mib=1024)
+    manager.suspend("one")
+    with pytest.raises(ResourceExhausted, match="max_saved_gib = 1"):
+        manager.suspend("two")
+    assert hv.domains["vmsbx-two"].running and manager.get("two").state == "started"
+    assert Holds(manager.config).get(manager.get("two").uuid).saved_bytes == 0  # type: ignore[union-attr]
+
+
+def test_a_failed_save_leaves_the_sandbox_running_as_it_was(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config
+) -> None:
+    uuid = made(manager)
+    hv.before["save"] = refuse("disk full")
+    with pytest.raises(FailedPrecondition, match="disk full"):
+        manager.suspend("box")
+    assert hv.domains[DOMAIN].running and manager.get("box").state == "ready"
+    hold = Holds(config).all()[uuid]
+    assert hold.owner is None and hold.saved_bytes == 0 and record(hv).suspended is None
+
+
+def test_a_failed_restore_leaves_the_sandbox_suspended(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    made(manager)
+    manager.suspend("box")
+    hv.before["start"] = refuse("cannot restore")
+    with pytest.raises(FailedPrecondition, match="cannot restore"):
+        manager.resume("box")
+    assert manager.get("box").state == "suspended" and hv.domains[DOMAIN].saved
+
+
+def test_destroy_removes_the_save(manager: SandboxManager, hv: FakeHypervisor) -> None:
+    made(manager)
+    manager.suspend("box")
+    manager.destroy("box")
+    assert DOMAIN not in hv.domains and manager.list() == []
+
+
+def test_reconcile_never_removes_a_suspended_sandbox(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    made(manager)
+    manager.suspend("box")
+    assert manager.reconcile()["removed"] == []
+    assert manager.get("box").state == "suspended" and hv.domains[DOMAIN].saved
+
+
+def _killed(config: Config, uuid: str, doing: str) -> None:
+    """The hold as a suspend or resume killed halfway leaves it: owned by a dead process."""
+    from vmsandbox.lock import host_lock
+
+    with host_lock(config.lock_path, 5):
+        holds = Holds(config)
+        hold = holds.get(uuid)
+        assert hold is not None
+        holds.put(replace(hold, owner=DEAD, doing=doing))
+
+
+def test_a_suspend_killed_after_the_save_is_finished_by_reconcile(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config
+) -> None:
+    uuid = made(manager)
+    manager.suspend("box")
+    # killed before its last commit: the record still says suspending
+    manager.store.put(record(hv), "suspending", uuid)
+    _killed(config, uuid, "suspend")
+    report = manager.reconcile()
+    assert report["removed"] == [] and report["settled"] == ["box: suspended"]
+    assert manager.get("box").state == "suspended"
+    hold = Holds(config).all()[uuid]
+    assert hold.owner is None and hold.saved_bytes == hv.domains[DOMAIN].saved
+
+
+def test_a_suspend_killed_before_the_save_returns_to_ready(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config
+) -> None:
+    uuid = made(manager)
+    manager.store.put(record(hv), "suspending", uuid)
+    _killed(config, uuid, "suspend")
+    assert manager.reconcile()["settled"] == ["box: ready"]
+    assert manager.get("box").state == "ready" and record(hv).suspended is None
+    assert Holds(config).all()[uuid].owner is None
+
+
+def test_a_resume_killed_after_the_restore_is_ready(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config
+) -> None:
+    uuid = made(manager)
+    manager.suspend("box")
+    hv.start(DOMAIN)  # the restore happened, the resume died before it committed
+    manager.store.put(record(hv), "resuming", uuid)
+    _killed(config, uuid, "resume")
+    assert manager.reconcile()["settled"] == ["box: ready"]
+    assert manager.get("box").state == "ready"
+    assert Holds(config).all()[uuid].saved_bytes == 0
+
+
+def test_a_resume_killed_before_the_restore_stays_suspended(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config
+) -> None:
+    uuid = made(manager)
+    manager.suspend("box")
+    manager.store.put(record(hv), "resuming", uuid)
+    _killed(config, uuid, "resume")
+    assert manager.reconcile()["settled"] == ["box: suspended"]
+    assert manager.get("box").state == "suspended" and hv.domains[DOMAIN].saved
+    assert manager.resume("box").state == "ready"
+
+
+def test_start_of_a_suspended_sandbox_points_to_resume_and_restores_nothing(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    made(manager)
+    manager.suspend("box")
+    with pytest.raises(FailedPrecondition, match="'vmsandbox resume box' restores it"):
+        manager.start("box")
+    assert not hv.domains[DOMAIN].running and hv.domains[DOMAIN].saved
+    assert manager.stop("box", grace=1).state == "suspended"  # nothing runs: nothing to stop

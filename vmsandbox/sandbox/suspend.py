@@ -1,0 +1,274 @@
+"""Suspend: a running sandbox's memory saved to disk with libvirt's managed save, its QEMU
+ended, its GPUs given back; and what a suspend or resume that was killed or failed halfway is
+settled into (``settle``).
+
+A suspend runs, each transition under the host lock and the slow work outside it:
+
+1. under the lock: the sandbox's hold taken by this call (``doing`` "suspend") with the disk
+   its save may take counted (``saved_bytes``: its memory), refused with RESOURCE_EXHAUSTED
+   when the saves of the host would pass ``max_saved_gib``; the record stored ``suspending``
+   with what a resume needs (suspension.py: its GPUs by model and guest slot);
+2. GPU sandboxes: the guest lets its GPUs go (guest/quiesce.py: CUDA processes checkpointed,
+   the driver unloaded; processes that still hold a GPU make it FAILED_PRECONDITION naming
+   them, unless ``force`` ends them); the GPUs are detached (handover.py) and, under the lock,
+   released as a destroy releases them (teardown.release_gpus), then sanitized;
+3. the memory saved (``Hypervisor.save``, past the page cache);
+4. under the lock: the hold settled with the save's size, the record stored ``suspended``.
+
+A suspend that fails is settled at once (``settle``): a guest that still runs goes back to
+ready (its GPUs are those it still holds; a quiesce that failed restored what it checkpointed),
+one whose memory was saved is suspended. Reconcile settles those whose process was killed the
+same way, and never takes a suspended sandbox or its save apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from vmsandbox.config import Config
+from vmsandbox.errors import FailedPrecondition, ResourceExhausted
+from vmsandbox.gpu.custody.work import release
+from vmsandbox.guest import ssh
+from vmsandbox.progress import Progress
+from vmsandbox.sandbox import handover
+from vmsandbox.sandbox.holds import SAVES, Hold, Holds, own
+from vmsandbox.sandbox.record import (
+    STATE_READY,
+    STATE_STOPPED,
+    STATE_SUSPENDED,
+    STATE_SUSPENDING,
+    SandboxFiles,
+    SandboxRecord,
+)
+from vmsandbox.sandbox.store import Found, SandboxStore
+from vmsandbox.sandbox.teardown import hold_of, release_gpus, sanitize_released
+from vmsandbox.vm.hypervisor import Hypervisor
+from vmsandbox.vm.process import Ownership
+
+Lock = Callable[[], contextlib.AbstractContextManager[None]]
+MIB = 2**20
+GIB = 2**30
+# States a sandbox may be suspended from: its guest runs and a caller may use it.
+SUSPENDABLE = (STATE_READY, "started", "failed")
+
+
+def now_utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def suspend(
+    store: SandboxStore,
+    lock: Lock,
+    found: Found,
+    *,
+    force: bool = False,
+    progress: Progress,
+    guest_run: handover.GuestRun = ssh.run,
+) -> Found:
+    """Suspend the sandbox of ``found`` (module docstring); idempotent for one suspended
+    already. FAILED_PRECONDITION for a sandbox whose guest does not run (or is not ours to
+    suspend), RESOURCE_EXHAUSTED past ``max_saved_gib``."""
+    hypervisor, config = store.hypervisor, store.config
+    record = found.record
+    if found.state == STATE_SUSPENDED and not hypervisor.running(record.domain, uuid=found.uuid):
+        return found
+    check_suspendable(store, found)
+    if record.gpus:
+        handover.check_detachable(record)
+    owner = own(config)
+    try:
+        with lock():
+            found = _begin(store, found, owner)
+        try:
+            found = _save(store, lock, found, owner, force, progress, guest_run)
+        except BaseException as exc:
+            recover(hypervisor, config, lock, found.uuid, owner)
+            if isinstance(exc, Exception) and not getattr(exc, "__notes__", None):
+                exc.add_note(f"sandbox {record.name!r} was left {_state_now(store, found)}")
+            raise
+    finally:
+        owner.end()
+    return found
+
+
+def check_suspendable(store: SandboxStore, found: Found) -> None:
+    """FAILED_PRECONDITION for a sandbox that is not ours, does not run, or is in a
+    transition (creating, pooled, suspending, resuming)."""
+    record, name = found.record, found.record.name
+    if not store.local(record):
+        raise FailedPrecondition(
+            f"sandbox {name!r} was made with another state directory; suspend it there",
+            details={"name": name},
+        )
+    shown = store.view(record, found.state, found.uuid).state
+    if shown not in SUSPENDABLE or not store.hypervisor.running(record.domain, uuid=found.uuid):
+        why = (
+            f"it does not run; start it with 'vmsandbox start {name}'"
+            if shown == STATE_STOPPED
+            else f"it is {shown}"
+        )
+        raise FailedPrecondition(
+            f"sandbox {name!r} cannot be suspended: {why}",
+            details={"name": name, "state": shown},
+        )
+
+
+def saved_total(holds: dict[str, Hold], but: str = "") -> int:
+    """The bytes the host's saved memory takes (or may take, for a save at work), of every
+    hold but ``but``."""
+    return sum(hold.saved_bytes for uuid, hold in holds.items() if uuid != but)
+
+
+def _begin(store: SandboxStore, found: Found, owner: Ownership) -> Found:
+    """Under the lock: the hold taken with the save's room counted, the record suspending."""
+    config, record = store.config, found.record
+    holds = Holds(config)
+    current = holds.all()
+    hold = current.get(found.uuid) or hold_of(record, found.uuid)
+    if hold.busy:
+        raise FailedPrecondition(
+            f"sandbox {record.name!r} is busy: a {hold.doing or 'call'} is at work on it",
+            details={"name": record.name, "doing": hold.doing},
+        )
+    need = record.memory_mib * MIB
+    limit = config.max_saved_gib * GIB
+    used = saved_total(current, but=found.uuid)
+    if used + need > limit:
+        raise ResourceExhausted(
+            f"sandbox {record.name!r} cannot be suspended: its memory ({record.memory_mib} MiB) "
+            f"would take the host's saved memory past max_saved_gib = {config.max_saved_gib} "
+            f"(saves take {used / GIB:.1f} GiB now); resume or destroy a suspended sandbox",
+            details={"name": record.name, "used_bytes": used, "limit_bytes": limit},
+        )
+    holds.put(replace(hold, owner=owner.identity, doing="suspend", saved_bytes=need))
+    definition = store.hypervisor.definition(record.domain, uuid=found.uuid)
+    kept = handover.suspension(record, definition, now_utc())
+    return store.commit(found, lambda now: replace(now, suspended=kept), STATE_SUSPENDING)
+
+
+def _save(
+    store: SandboxStore,
+    lock: Lock,
+    found: Found,
+    owner: Ownership,
+    force: bool,
+    progress: Progress,
+    guest_run: handover.GuestRun,
+) -> Found:
+    """Outside the lock but for the commits: the GPUs handed back, the memory saved."""
+    hypervisor, config = store.hypervisor, store.config
+    record = found.record
+    assert record.suspended is not None  # written by _begin
+    if record.gpus:
+        files = SandboxFiles.of(config, record.stem)
+        run = handover.guest_runner(guest_run, record, files)
+        progress(f"letting the GPUs of {record.name} go in the guest")
+        report = handover.let_go(run, record, force=force)
+        with lock():
+            kept = replace(record.suspended, guest=report)
+            found = store.commit(found, lambda now: replace(now, suspended=kept))
+        handover.detach(hypervisor, record.domain, found.uuid, kept, record.gpus, progress)
+        released = tuple(bdf for gpu in record.gpus for bdf in (gpu.bdf, *gpu.companions))
+        with lock():
+            _release(config, found.uuid, owner, record.name)
+            found = store.commit(found, lambda now: replace(now, gpus=()))
+        for line in sanitize_released(config, lock, released):
+            progress(line)
+    progress(f"saving the memory of {record.name} ({record.memory_mib} MiB)")
+    hypervisor.save(record.domain, uuid=found.uuid)
+    size = hypervisor.saved(record.domain, uuid=found.uuid) or 0
+    with lock():
+        holds = Holds(config)
+        hold = holds.get(found.uuid)
+        if hold is not None and hold.owned_by(owner.identity):
+            holds.put(replace(hold, owner=None, doing="", saved_bytes=size))
+        done = replace(found.record.suspended or record.suspended, save_bytes=size)
+        found = store.commit(found, lambda now: replace(now, suspended=done), STATE_SUSPENDED)
+    progress(f"{record.name} is suspended ({size / MIB:.0f} MiB saved)")
+    return found
+
+
+def _release(config: Config, uuid: str, owner: Ownership, name: str) -> None:
+    """Under the lock: the hold (still this call's) lets its GPUs go."""
+    holds = Holds(config)
+    hold = holds.get(uuid)
+    if hold is None or not hold.owned_by(owner.identity):
+        raise FailedPrecondition(f"sandbox {uuid} was taken over while it was being suspended")
+    release_gpus(holds, hold, f"sandbox {name} ({uuid}) suspended")
+
+
+def _state_now(store: SandboxStore, found: Found) -> str:
+    now = store.by_domain(found.record.domain, found.uuid)
+    return "removed" if now is None else store.view(now.record, now.state, now.uuid).state
+
+
+def recover(
+    hypervisor: Hypervisor, config: Config, lock: Lock, uuid: str, owner: Ownership
+) -> None:
+    """After a suspend or resume of ``owner`` failed: the sandbox settled (``settle``), under
+    the lock, and the GPUs that lets go sanitized once the lock is let go. What fails here
+    is left for reconcile (the hold stays this call's, whose process is about to end)."""
+    released: tuple[str, ...] = ()
+    with contextlib.suppress(Exception), lock():
+        before = Holds(config).get(uuid)
+        settle(hypervisor, config, uuid, owner=owner)
+        after = Holds(config).get(uuid)
+        kept = set(after.gpus) if after is not None else set()
+        released = tuple(bdf for bdf in (before.gpus if before else ()) if bdf not in kept)
+    with contextlib.suppress(Exception):
+        sanitize_released(config, lock, released)
+
+
+def settle(
+    hypervisor: Hypervisor, config: Config, uuid: str, *, owner: Ownership | None = None
+) -> str | None:
+    """Under the lock: a sandbox whose suspend or resume ended halfway (its hold's ``doing``
+    in SAVES, owned by ``owner`` or, without one, by a process that is gone) brought to a
+    clear state, which is returned (None: nothing to settle):
+
+    - its memory saved and the guest off: ``suspended``, no GPU held (any a resume reserved
+      or attached are let go: the saved guest holds none);
+    - its guest running: ``ready`` with the GPUs it holds now (those the guest still has);
+      the suspension forgotten;
+    - neither: the guest is off without a save (it crashed): stored ``ready``, shown
+      stopped, its GPUs kept as a stopped sandbox keeps them.
+    """
+    holds = Holds(config)
+    hold = holds.get(uuid)
+    if hold is None or hold.doing not in SAVES or hold.owner is None:
+        return None
+    if owner is not None and not hold.owned_by(owner.identity):
+        return None
+    if owner is None and not hold.left_over:
+        return None
+    stored = hypervisor.metadata(hold.domain, uuid=uuid)
+    if stored is None or stored.data is None:
+        holds.put(replace(hold, owner=None, doing=""))
+        return None
+    record = SandboxRecord.from_dict(stored.data)
+    store = SandboxStore(hypervisor, config)
+    size = hypervisor.saved(hold.domain, uuid=uuid)
+    running = hypervisor.running(hold.domain, uuid=uuid)
+    if size is not None and not running:  # never restored since: no GPU was attached
+        kept = record.suspended
+        if kept is not None and record.gpus and not kept.gpus:
+            kept = replace(kept, gpus=record.gpus)
+        if kept is not None:
+            kept = replace(kept, save_bytes=size)
+        if hold.gpus:
+            hold = release_gpus(holds, hold, f"sandbox {hold.name} ({uuid}) saved, GPUs let go")
+        holds.put(replace(hold, owner=None, doing="", saved_bytes=size))
+        store.put(replace(record, gpus=(), suspended=kept), STATE_SUSPENDED, uuid)
+        return STATE_SUSPENDED
+    attached = handover.attached(hypervisor, hold.domain)
+    gpus = tuple(gpu for gpu in record.gpus if gpu.bdf in attached)
+    held = tuple(bdf for bdf in hold.gpus if bdf in attached)
+    dropped = [bdf for bdf in hold.gpus if bdf not in attached]
+    if dropped:  # reserved by a resume and never attached, or already out of the guest
+        release(config, dropped, f"sandbox {hold.name} ({uuid}) runs without them", hold.partition)
+    holds.put(replace(hold, gpus=held, owner=None, doing="", saved_bytes=0))
+    store.put(replace(record, gpus=gpus, suspended=None, starter=None), STATE_READY, uuid)
+    return STATE_READY
