@@ -10,8 +10,9 @@ Parts and where they run (docs/fleet.md has the whole picture):
   driver for the whole fleet, over ``Fleet`` (``core``), which places creates (``create``,
   ``placement``) as Ray claims (``claims``) under each sandbox's placement record, kept in
   Ray's control store with the hosts' name bindings (``records``), and watches the hosts
-  (``hosts``), with Prometheus metrics (``metrics``) and the ``vmsandbox fleet`` commands
-  (``cli``).
+  (``hosts``), forwards stops and starts to the sandbox's host, a suspended sandbox's claim
+  given back and taken again on resume (``power``), with Prometheus metrics (``metrics``) and
+  the ``vmsandbox fleet`` commands (``cli``).
 
 Ray is needed only by the modules that talk to the cluster (``pip install
 'vmsandbox[fleet]'``); importing this package, ``model`` or ``cli`` does not load it. Token

@@ -209,7 +209,10 @@ class HostAgent:
 
     def act(self, gateway: str, sandbox_id: str, rpc: str, request: bytes) -> dict[str, Any]:
         """``rpc`` (StopSandbox, StartSandbox or DeleteSandbox) with ``request`` (serialized) on
-        the gateway's sandbox ``sandbox_id``; ``found`` False when it is not here."""
+        the gateway's sandbox ``sandbox_id``; ``found`` False when it is not here. A stop or
+        start answers too how many GPUs the sandbox held before (``gpus_before``) and its
+        state after (``state``, empty when the host cannot be read now): a stop that the host
+        maps to suspend leaves it ``suspended``, its GPUs given back (fleet/power.py)."""
         deleting = rpc == "DeleteSandbox"
         if deleting:
             with self._lock:
@@ -229,11 +232,19 @@ class HostAgent:
             if deleting:
                 with self._lock:
                     self._deleting[(gateway, sandbox_id)] = time.monotonic()
-        return {
+        done = {
             "found": True,
             "deleted": bool(getattr(answer, "deleted", False)),
             "runtime_identity": getattr(answer, "runtime_identity", ""),
         }
+        if not deleting:
+            done["gpus_before"] = len(found.get("gpus", []))
+            try:
+                after = _find(self._read_info(), gateway, sandbox_id)
+            except grpc.RpcError:  # done, but its state cannot be read now
+                after = None
+            done["state"] = (after or {}).get("state", "")
+        return done
 
     def _failed(self, exc: grpc.RpcError) -> dict[str, Any]:
         """The error of a failed driver call: answered when the driver answered it (its

@@ -21,6 +21,9 @@ record's host and is UNAVAILABLE while that host is lost or does not answer; ``d
 means no record names a host, or that host said it has no such sandbox. A lost host's
 sandboxes are not deleted and not placed again; their claims are released (the host's agent
 pins the capacity again when the host rejoins, before it takes new work).
+
+Stop and start go to the host the record names (power.py): a sandbox suspended there gives its
+claim back and keeps its record, and is resumed only there, its claim taken again first.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from vmsandbox.fleet.auth import check_token_auth
 from vmsandbox.fleet.create import Create
 from vmsandbox.fleet.hosts import HostTable
 from vmsandbox.fleet.model import HostView, Record
+from vmsandbox.fleet.power import Power
 from vmsandbox.fleet.records import Records
 from vmsandbox.openshell.caller import OneAtATime
 from vmsandbox.openshell.proto import compute_driver_pb2 as pb
@@ -317,18 +321,13 @@ class Fleet:
     def power(
         self, sandbox_id: str, request: pb.StopSandboxRequest | pb.StartSandboxRequest
     ) -> str:
-        """Stop or start (as ``request`` says) the gateway's sandbox ``sandbox_id``; the
-        runtime identity a start answers."""
-        found = self.get(sandbox_id)
-        if found.lost:
-            raise Unavailable(f"sandbox {sandbox_id!r} is on host {found.host}, which is lost")
+        """Stop or start (as ``request`` says) the gateway's sandbox ``sandbox_id`` on the host
+        its record names (power.py: a suspend gives the sandbox's claim back, a resume takes it
+        again on that host); the runtime identity a start answers."""
         rpc = type(request).__name__.removesuffix("Request")
-        answer = self.call(
-            found.host, "act", self.gateway, sandbox_id, rpc, request.SerializeToString()
-        )
-        if "error" in answer:
-            raise placement.error(answer["error"]["code"], answer["error"]["message"])
-        return str(answer.get("runtime_identity", ""))
+        with self._one(sandbox_id):
+            self.table.refresh(max_age=FRESH)
+            return Power(self, sandbox_id, rpc, request.SerializeToString()).run()
 
     def authenticate(self, credential: str) -> dict[str, Any]:
         """The id and runtime identity of the gateway's sandbox whose token ``credential``

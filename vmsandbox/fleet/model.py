@@ -319,7 +319,8 @@ class Record:
     """Where the gateway's sandbox ``sandbox_id`` is, or may be: ``host`` (None while its
     create waits for placement), in ``state``; ``job``: the fleet process (Ray job id) whose
     create works on it, empty when none does; ``name``: the sandbox's name, to list it while
-    its host is lost."""
+    its host is lost; ``suspended``: while the sandbox is suspended on ``host``, the shape of
+    the claim it gave back (power.py), which its resume takes again there; else None."""
 
     gateway: str
     sandbox_id: str
@@ -327,6 +328,7 @@ class Record:
     host: str | None = None
     state: str = PLACING
     job: str = ""
+    suspended: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.state not in RECORD_STATES or (self.host is None) != (self.state == PLACING):

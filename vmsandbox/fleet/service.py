@@ -5,9 +5,10 @@
   readiness reaches the gateway on the watch stream, from the host's own snapshots.
 - Get, List and Watch show the gateway's sandboxes on every host; those recorded on a lost
   host as last seen (or by id and name), Ready false with reason HostLost.
-- Stop, Start and Delete go to the sandbox's host, Delete to the host its placement record
-  names (core.py): UNAVAILABLE while that host is lost, never ``deleted: false`` for a
-  sandbox that may live; Delete is idempotent.
+- Stop, Start and Delete go to the host the sandbox's placement record names (core.py,
+  power.py): UNAVAILABLE while that host is lost, never ``deleted: false`` for a sandbox that
+  may live; Delete is idempotent. A stop the host maps to suspend gives the sandbox's Ray claim
+  back; its start resumes it on that host only, RESOURCE_EXHAUSTED while that host has no room.
 - AuthenticateSandbox asks each host in turn; only the gateway's own sandboxes answer, and a
   token no answering host knows is UNAVAILABLE while a host that may hold it does not answer.
 - ValidateSandboxCreate checks the request and that some ready host could ever take it.
