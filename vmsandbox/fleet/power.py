@@ -121,6 +121,8 @@ class Power:
         except AlreadyExists:  # an earlier resume's, whose outcome was not known: reuse it
             found = claims.find(self.claim)
             node = found.node_id if found is not None and found.state == "CREATED" else None
+            if node is None:  # one still waiting for room holds nothing: not left to wait
+                claims.remove(self.claim)
         if node is None:
             raise ResourceExhausted(
                 f"host {host}, which holds the save of sandbox {self.sandbox_id!r}, has no room "

@@ -208,3 +208,15 @@ def test_an_old_record_without_the_field_reads_as_not_suspended() -> None:
     old = b'{"gateway": "gw", "host": "a", "job": "", "name": "", "sandbox_id": "x", '
     old += b'"state": "placed"}'
     assert Record.from_json(old).suspended is None
+
+
+def test_a_claim_left_waiting_for_room_is_removed_and_the_start_exhausted(
+    ray: Ray, store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fleet = FakeFleet(suspended_on_stop(), Table("a"), Records(store))
+    fleet.records.add(Record("gw", "x", "box", "a", model.PLACED, suspended=TWO))
+    ray.made["claim:gw:x"] = ("a", dict(TWO))
+    monkeypatch.setattr(claims, "find", lambda name: Claim(name, "PENDING", TWO, None))
+    with pytest.raises(ResourceExhausted):
+        run(fleet, power.START)
+    assert ray.made == {} and fleet.asked == []
