@@ -18,14 +18,23 @@ Then each cycle:
 
 The running guest's QEMU RSS is read before the first cycle, for scale.
 
-Target (issue 40): resume until SSH answers at most 0.5x the floor (medians); every cycle
-intact. The parked pool (``parked_claim_s``, ``parked_rss_mib``) is not measured here yet.
+Then a parked pool (``park = true``) of one 1 GiB ``minimal`` guest is filled through the
+Python API (not timed), and:
+
+    parked_rss_mib   the resident memory of the parked guest's QEMU process (0 MiB when there
+                     is none)
+    parked_claim_s   a claim of it timed as users time it: the ``vmsandbox create --no-refill``
+                     process, start to exit (restore, wake, claim, and the CLI's own start)
+
+Targets (issue 40): resume until SSH answers at most 0.5x the floor (medians); every cycle
+intact; a claim from the parked pool at most 0.5x the floor, with 0 MiB held while parked.
 
 Usage: .venv/bin/python bench/suspend.py [--cycles 50] [--out DIR] [--json FILE]
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -108,6 +117,35 @@ def cycles(manager: Any, name: str, domain: str, count: int) -> dict[str, Any]:
     }
 
 
+def parked(folder: Path, state: Path) -> dict[str, float]:
+    """A parked pool of one guest: its QEMU RSS while parked, and a claim of it by a
+    ``vmsandbox create`` process (start to exit)."""
+    from vmsandbox.config import Config
+    from vmsandbox.sandbox.manager import SandboxManager
+
+    file = folder / "config.toml"
+    file.write_text(
+        f'[pool.parked]\nimage = "{common.IMAGE}"\nmemory_mib = {MEMORY_MIB}\n'
+        "count = 1\npark = true\n"
+    )
+    env = {**common.vmsandbox_env(state), "VMSANDBOX_CONFIG": str(file)}
+    name = common.name("suspend", "p")
+    argv = [sys.executable, "-m", "vmsandbox.cli", "create", name, "--image", common.IMAGE]
+    with SandboxManager(Config.load(file)) as manager:
+        try:
+            (guest,) = manager.pool.fill()
+            rss = qemu_rss_mib(f"vmsbx-{guest}")
+            claim_s = common.timed([*argv, "--no-refill"], env=env)
+            if manager.get(name).domain != f"vmsbx-{guest}":
+                raise common.BenchError(f"create {name} did not claim parked guest {guest}")
+        finally:
+            with contextlib.suppress(Exception):
+                manager.destroy(name)
+            manager.pool.drain()
+    print(f"parked guest: RSS {rss:.0f} MiB; a claim by 'vmsandbox create' {claim_s:.2f} s")
+    return {"parked_claim_s": round(claim_s, 3), "parked_rss_mib": rss}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = common.arguments(__doc__, rounds=1, warmup=0)
     parser.add_argument("--cycles", type=int, default=50, help="suspend/resume cycles (50)")
@@ -136,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 found = cycles(manager, name, made.domain, args.cycles)
             finally:
                 manager.destroy(name)
+        pool = parked(Path(folder), state)
         after = fast_start.floor_seconds(image / "vmlinuz", initrd)
     floor = (before + after) / 2
     figures = {
@@ -147,6 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "suspended_rss_mib": max(found["suspended_rss_mib"]),
         "running_rss_mib": found["running_rss_mib"],
         "saved_mib": round(statistics.median(found["saved_bytes"]) / 2**20, 1),
+        "parked_claim_s": pool["parked_claim_s"],
+        "parked_claim_over_floor": round(pool["parked_claim_s"] / floor, 3),
+        "parked_rss_mib": pool["parked_rss_mib"],
         "cycles": args.cycles,
         "cycles_intact": found["intact"],
     }
@@ -161,6 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.checks += [
         common.at_most("resume until SSH / floor", figures["resume_over_floor"], 0.5, "x"),
         common.at_most("cycles not intact", args.cycles - found["intact"], 0, ""),
+        common.at_most("parked claim / floor", figures["parked_claim_over_floor"], 0.5, "x"),
+        common.at_most("parked guest's QEMU RSS", figures["parked_rss_mib"], 0, " MiB"),
     ]
     rows = [(key, str(value)) for key, value in figures.items()]
     print(common.render(("figure", "value"), rows))

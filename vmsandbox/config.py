@@ -24,7 +24,7 @@ import ipaddress
 import math
 import os
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ _ENV = {
     "probe_qemu": "VMSANDBOX_PROBE_QEMU",
     "gpu_firmware": "VMSANDBOX_GPU_FIRMWARE",
 }
-_POOL_KEYS = ("image", "cpus", "memory_mib", "disk_gib", "count", "gpus")
+_POOL_KEYS = ("image", "cpus", "memory_mib", "disk_gib", "count", "gpus", "park")
 _PATHS = ("state_dir", "image_dir", "ovmf_code", "ovmf_vars", "fabric_manager_config", "pci_sysfs")
 # What guests with outbound network never reach by default (vm/netguard.py): the private
 # ranges (RFC 1918), shared address space (RFC 6598: carrier NAT, overlay networks such as
@@ -360,8 +360,9 @@ def _check_shape(config: Config, shape: PoolShape) -> None:
 @dataclass(frozen=True)
 class PoolShape:
     """One ``[pool]`` entry: ``count`` guests of this image and size kept ready, booted with
-    ``gpus`` spare GPU ports (vmsandbox/sandbox/pool/shapes.py says how entries name them and how
-    a create claims a guest of a shape)."""
+    ``gpus`` spare GPU ports, and with ``park`` saved to disk while they wait
+    (vmsandbox/sandbox/pool/shapes.py says how entries name them and how a create claims a guest
+    of a shape)."""
 
     key: str
     image: str
@@ -370,17 +371,10 @@ class PoolShape:
     disk_gib: int
     count: int
     gpus: int = 0
+    park: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "image": self.image,
-            "cpus": self.cpus,
-            "memory_mib": self.memory_mib,
-            "disk_gib": self.disk_gib,
-            "count": self.count,
-            "gpus": self.gpus,
-        }
+        return asdict(self)
 
 
 def parse_pool(table: object) -> tuple[PoolShape, ...]:
@@ -426,6 +420,7 @@ def _shape(key: str, value: object) -> PoolShape:
         )
     count = _whole(entry.get("count", 1), f"{field}.count", "guests")
     gpus = _whole(entry.get("gpus", 0), f"{field}.gpus", "spare GPU ports")
+    park = _typed(f"{field}.park", entry.get("park", False), "the [pool] table", False)
     try:  # the checks, in the order, of a SandboxSpec of this size
         image = validate_image_name(entry["image"])
         cpus = positive_int(entry.get("cpus", DEFAULT_CPUS), "cpus")
@@ -437,7 +432,7 @@ def _shape(key: str, value: object) -> PoolShape:
             f"config {field}: {exc.message}",
             details={**exc.details, "field": f"{field}.{inner}" if inner else field},
         ) from exc
-    return PoolShape(key, image, cpus, memory_mib, disk_gib, count, gpus)
+    return PoolShape(key, image, cpus, memory_mib, disk_gib, count, gpus, park)
 
 
 def _whole(value: object, field: str, what: str) -> int:

@@ -32,6 +32,7 @@ from vmsandbox.sandbox.holds import Holds, owners_folder
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
     STATE_FAILED,
+    STATE_PARKED,
     STATE_POOLED,
     STATE_READY,
     STATE_RESUMING,
@@ -93,7 +94,7 @@ def check_powerable(record: SandboxRecord, state: str) -> None:
         raise FailedPrecondition(
             f"sandbox {record.name!r} is still being created", details={"name": record.name}
         )
-    if state == STATE_POOLED:
+    if state in (STATE_POOLED, STATE_PARKED):
         raise FailedPrecondition(
             f"{record.name!r} is a guest of the warm pool, not a sandbox; "
             "'vmsandbox pool drain' removes it",

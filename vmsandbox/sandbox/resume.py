@@ -55,6 +55,7 @@ from vmsandbox.sandbox.store import Found, SandboxStore
 from vmsandbox.sandbox.suspend import recover
 from vmsandbox.sandbox.suspension import Suspension
 from vmsandbox.vm import netguard
+from vmsandbox.vm.hypervisor import Hypervisor
 from vmsandbox.vm.process import Ownership
 
 Lock = Callable[[], contextlib.AbstractContextManager[None]]
@@ -216,7 +217,7 @@ def _restore(
     started = time.monotonic()
     hypervisor.start(record.domain, uuid=found.uuid)
     control.restrict(files.control)
-    waited = _reach(store, found, guest_run, progress, started)
+    waited = reach(hypervisor, config, record, found.uuid, guest_run, progress, started)
     progress(f"{record.name} answers SSH {waited:.2f} s after the restore, its clock set")
     report = None
     if record.gpus:
@@ -272,37 +273,38 @@ def _save_again(store: SandboxStore, found: Found, held: Suspension, exc: BaseEx
         exc.add_note(f"saving sandbox {found.record.name!r} again failed: {again}")
 
 
-def _wait(store: SandboxStore, found: Found, progress: Progress) -> float:
+def _wait(
+    hypervisor: Hypervisor, config: Config, record: SandboxRecord, uuid: str, progress: Progress
+) -> float:
     """Wait until the restored guest's sshd accepts the sandbox key (it ran when it was
     saved: no boot to wait for); the seconds waited."""
-    record = found.record
-    files = SandboxFiles.of(store.config, record.stem)
-    watch = boot.BootWatch(
-        store.hypervisor, record.name, record.domain, files, False, uuid=found.uuid
-    )
+    files = SandboxFiles.of(config, record.stem)
+    watch = boot.BootWatch(hypervisor, record.name, record.domain, files, False, uuid=uuid)
     endpoint = boot.endpoint(watch, record.ssh, timeout=SSH_TIMEOUT_S)
     keys = files.keys(record.host_key_alias)
     return boot.wait_for_ssh(watch, endpoint, keys, timeout=SSH_TIMEOUT_S, progress=progress)
 
 
-def _reach(
-    store: SandboxStore,
-    found: Found,
+def reach(
+    hypervisor: Hypervisor,
+    config: Config,
+    record: SandboxRecord,
+    uuid: str,
     guest_run: handover.GuestRun,
     progress: Progress,
     started: float,
 ) -> float:
-    """Wake the restored guest (its clock set, its random number generator reseeded) and make
-    sure its sshd answers with the pinned host key; the seconds since ``started`` (the
-    restore's start, ``time.monotonic``).
+    """Wake the restored guest of ``record`` (its clock set, its random number generator
+    reseeded) and make sure its sshd answers with the pinned host key; the seconds since
+    ``started`` (the restore's start, ``time.monotonic``). A claim of a parked pooled guest
+    (pool/park.py) wakes it the same way.
 
     The guest ran when it was saved, so there is no boot to wait for: a guest that serves the
     control channel's ``wake`` sets its clock and checks its sshd at once, while a key
     exchange proves the host key (as a pool claim does). Other guests get the clock over SSH,
     the command's own login being the proof that SSH answers; only when that does not answer
     within QUICK_S is the boot wait, with its diagnostics, run first."""
-    record = found.record
-    files = SandboxFiles.of(store.config, record.stem)
+    files = SandboxFiles.of(config, record.stem)
     keys = files.keys(record.host_key_alias)
     if record.ssh.port is not None and files.control.exists() and _woken(files):
         endpoint = ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user)
@@ -315,7 +317,7 @@ def _reach(
             return round(time.monotonic() - started, 3)
         except (Unavailable, DeadlineExceeded, EOFError, OSError):
             time.sleep(QUICK_POLL_S)
-    _wait(store, found, progress)
+    _wait(hypervisor, config, record, uuid, progress)
     _wake_over_ssh(record, files, guest_run)
     return round(time.monotonic() - started, 3)
 

@@ -30,6 +30,7 @@ from vmsandbox.sandbox.record import (
     STATE_CREATING,
     STATE_DEFINED,
     STATE_FAILED,
+    STATE_PARKED,
     STATE_POOLED,
     STATE_READY,
     STATE_STARTED,
@@ -93,6 +94,7 @@ def require_running(sandbox: Sandbox, doing: str) -> None:
         STATE_DEFINED: f"it was never started; start it with 'vmsandbox start {name}'",
         STATE_CREATING: "it is still being created",
         STATE_POOLED: "it is a warm-pool guest that no create has claimed",
+        STATE_PARKED: "it is a parked warm-pool guest that no create has claimed",
     }.get(sandbox.state)
     if why is not None:
         raise FailedPrecondition(

@@ -27,6 +27,7 @@ from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.record import (
     STATE_CREATING,
     STATE_DEFINED,
+    STATE_PARKED,
     STATE_RESUMING,
     STATE_STARTED,
     STATE_STARTING,
@@ -42,7 +43,7 @@ from vmsandbox.vm.domain import DOMAIN_PREFIX
 from vmsandbox.vm.hypervisor import Hypervisor, Stored
 
 # States shown as stored although the guest does not run: its memory is (being) saved.
-SAVED_STATES = (STATE_SUSPENDED, STATE_SUSPENDING, STATE_RESUMING)
+SAVED_STATES = (STATE_SUSPENDED, STATE_SUSPENDING, STATE_RESUMING, STATE_PARKED)
 
 
 @dataclass(frozen=True)

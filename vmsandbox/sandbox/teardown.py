@@ -142,7 +142,7 @@ def _take_over(
 def _unclaimed(hold: Hold | None, found: Found | None) -> bool:
     if hold is not None:
         return hold.pool is not None
-    return found is not None and found.record.guest is None and found.state == "pooled"
+    return found is not None and found.record.guest is None and found.state in ("pooled", "parked")
 
 
 def hold_of(record: SandboxRecord | None, uuid: str) -> Hold:

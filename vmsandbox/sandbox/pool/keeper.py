@@ -30,6 +30,7 @@ from vmsandbox.gpu import hotplug
 from vmsandbox.guest import ssh
 from vmsandbox.sandbox import create, reserve, runner
 from vmsandbox.sandbox.holds import Holds
+from vmsandbox.sandbox.pool.park import RestoreFailed
 from vmsandbox.sandbox.pool.shapes import (
     NoPooledGuest,
     PoolFull,
@@ -39,7 +40,13 @@ from vmsandbox.sandbox.pool.shapes import (
     shape_spec,
 )
 from vmsandbox.sandbox.pool.steps import CLAIM_STEPS, FILL_STEPS, GPU_CLAIM_STEPS
-from vmsandbox.sandbox.record import STATE_CREATING, STATE_POOLED, SandboxFiles, SandboxRecord
+from vmsandbox.sandbox.record import (
+    STATE_CREATING,
+    STATE_PARKED,
+    STATE_POOLED,
+    SandboxFiles,
+    SandboxRecord,
+)
 from vmsandbox.sandbox.timing import StepTimes
 from vmsandbox.vm import virt
 
@@ -52,6 +59,10 @@ if TYPE_CHECKING:
     from vmsandbox.sandbox.spec import SandboxSpec
     from vmsandbox.sandbox.store import SandboxStore
     from vmsandbox.vm.hypervisor import Hypervisor
+
+
+# The states of a pooled guest that a claim may take: running, or parked (saved to disk).
+READY = (STATE_POOLED, STATE_PARKED)
 
 
 class PoolOwner(Protocol):
@@ -125,14 +136,21 @@ class WarmPool:
         if shape is None or (keep and spec.gpu is not None):
             return None
         m = self.manager
-        creation = self.claiming(shape, spec, name, image, say)
-        creation.verify = verify
         steps = GPU_CLAIM_STEPS if spec.gpu is not None else CLAIM_STEPS
-        timing = StepTimes(m.checkpoint)
-        try:
-            runner.run(steps, creation, m.locked, timing)
-        except NoPooledGuest:
-            say(f"no pooled guest of shape {shape.key!r} is ready: creating {name} cold")
+        for _try in range(shape.count + 1):  # a parked guest that fails to restore is removed
+            creation = self.claiming(shape, spec, name, image, say)
+            creation.verify = verify
+            timing = StepTimes(m.checkpoint)
+            try:
+                runner.run(steps, creation, m.locked, timing)
+                break
+            except NoPooledGuest:
+                say(f"no pooled guest of shape {shape.key!r} is ready: creating {name} cold")
+                return None
+            except RestoreFailed as exc:
+                say(f"{exc}; it was removed: claiming the next one")
+        else:
+            say(f"no parked guest of shape {shape.key!r} came back: creating {name} cold")
             return None
         assert creation.record is not None  # made by the claim step
         sandbox = m.store.view(creation.record, creation.state, creation.uuid)
@@ -186,7 +204,7 @@ class WarmPool:
             shown.append(
                 {
                     **shape.to_dict(),
-                    "ready": sum(1 for _r, state in mine if state == STATE_POOLED),
+                    "ready": sum(1 for _r, state in mine if state in READY),
                     "guests": [{"name": r.name, "state": state} for r, state in mine],
                 }
             )
@@ -195,7 +213,7 @@ class WarmPool:
     def unshaped(self) -> list[dict[str, Any]]:
         """This state directory's unclaimed pooled guests that fit no ``[pool]`` shape (the
         configuration changed since they were booted): they still run and hold their memory
-        until ``drain`` removes them."""
+        (or, parked, their save file) until ``drain`` removes them."""
         return [
             {"name": r.name, "state": state, "image": r.image, "memory_mib": r.memory_mib}
             for r, state, _uuid in self.guests()
@@ -253,7 +271,7 @@ class WarmPool:
         image = m.images.get(shape.image)
         made: list[str] = []
         for record, state, uuid in self.guests():
-            if state == STATE_POOLED and holds(shape, record) and record.image_id != image.id:
+            if state in READY and holds(shape, record) and record.image_id != image.id:
                 say(f"removing pooled guest {record.name}: image {record.image_id} was rebuilt")
                 with contextlib.suppress(NotFound):  # claimed or removed meanwhile
                     m.destroy(record.name, uuid=uuid, pooled_only=True)

@@ -2,12 +2,14 @@
 
 ``FILL_STEPS`` make a pooled guest: the create steps, with the shape's room checked in the
 reservation (under the host lock: reservations of the shape count, guests still booting
-too), ending in state ``pooled`` with a settled hold that names the shape (holds.py).
+too), ending in state ``pooled`` with a settled hold that names the shape (holds.py); a
+``park`` shape's guest is saved to disk first and ends ``parked`` (park.py).
 
 ``CLAIM_STEPS`` turn a pooled guest into the sandbox: under the lock the name is checked, a
 ready guest of the shape taken (its hold, current under the lock, must still be an unclaimed
 pooled guest's: two claims never take one guest, and a drain never removes a claimed one),
-the hold and the record rewritten for the sandbox; then, outside the lock, its hostname is
+the hold and the record rewritten for the sandbox; then, outside the lock, a parked guest is
+restored and woken (park.py), and its hostname is
 set through the guest's control channel or else over SSH. A GPU sandbox claims a GPU-ready
 guest (spare root ports, gpu/hotplug.py) through ``GPU_CLAIM_STEPS``: its GPUs are chosen in
 the same locked step as the guest, and attached live, seen and verified outside the lock
@@ -31,9 +33,15 @@ from vmsandbox.guest import control, ssh
 from vmsandbox.guest.ssh import Endpoint
 from vmsandbox.sandbox import create, expiry, reserve
 from vmsandbox.sandbox.holds import Hold, settled
-from vmsandbox.sandbox.pool import gpu_steps
+from vmsandbox.sandbox.pool import gpu_steps, park
 from vmsandbox.sandbox.pool.shapes import NoPooledGuest, holds
-from vmsandbox.sandbox.record import STATE_CREATING, STATE_POOLED, SandboxFiles, SandboxRecord
+from vmsandbox.sandbox.record import (
+    STATE_CREATING,
+    STATE_PARKED,
+    STATE_POOLED,
+    SandboxFiles,
+    SandboxRecord,
+)
 
 if TYPE_CHECKING:
     from vmsandbox.guest.keys import SandboxKeys
@@ -56,12 +64,14 @@ def _settle(c: create.Creation) -> None:
 
 
 def _pooled(c: create.Creation) -> None:
-    """Fill, under the lock: the guest answered SSH; it is ready to be claimed."""
+    """Fill, under the lock: the guest answered SSH (and was parked, park.py); it is ready to
+    be claimed. A parked guest's hold counts its save's size."""
     assert c.record is not None  # made by the define step
     hold = c.own()
-    c.state = STATE_POOLED
+    size = park.saved_bytes(c)
+    c.state = STATE_POOLED if size is None else STATE_PARKED
     c.hypervisor.set_metadata(c.domain, c.record.to_dict(), c.state, uuid=c.uuid)
-    c.holds.put(settled(hold))
+    c.holds.put(settled(replace(hold, saved_bytes=size or 0)))
 
 
 def _claim(c: create.Creation) -> None:
@@ -93,6 +103,7 @@ def _claim(c: create.Creation) -> None:
             partition=partition.id if partition else None,
             owner=c.owner.identity,
             doing="claim",
+            saved_bytes=0,  # a parked guest's save is restored (or removed) by this claim
         )
     )
     c.record = replace(
@@ -124,7 +135,7 @@ def _pick(c: create.Creation, now: reserve.Taken) -> tuple[SandboxRecord, Stored
             hold is not None
             and hold.pool == shape.key
             and hold.owner is None
-            and stored.state == STATE_POOLED
+            and stored.state in (STATE_POOLED, STATE_PARKED)
             and holds(shape, record)
             and record.image_id == c.image.id
             and record.virt_type == c.virt_type
@@ -224,14 +235,17 @@ def _create_step(name: str) -> create.Step:
 FILL_STEPS: tuple[create.Step, ...] = (
     *(step for step in create.CREATE_STEPS if step.name not in ("fabric", "verify", "ready")),
     create.Step("settle", _settle),
+    create.Step("park", park.park),
     create.Step("pooled", _pooled, locked=True),
 )
 _CLAIM = create.Step("claim", _claim, _give_up, locked=True)
 _TAKEN = create.Step("taken", create.nothing, _stop_guest)
+_RESTORE = create.Step("restore", park.restore)
 CLAIM_STEPS: tuple[create.Step, ...] = (
     _create_step("look"),
     _CLAIM,
     _TAKEN,
+    _RESTORE,
     create.Step("hostname", _hostname),
     _create_step("ready"),
 )
@@ -242,6 +256,7 @@ GPU_CLAIM_STEPS: tuple[create.Step, ...] = (
     _CLAIM,
     _create_step("fabric"),
     _TAKEN,
+    _RESTORE,
     create.Step("attach", gpu_steps.attach),
     create.Step("hostname", _hostname),
     create.Step("seen", gpu_steps.seen),

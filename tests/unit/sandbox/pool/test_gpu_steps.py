@@ -35,7 +35,7 @@ from vmsandbox.host.bdf import libvirt_address
 from vmsandbox.host.model import Inventory
 from vmsandbox.sandbox import runner
 from vmsandbox.sandbox.manager import SandboxManager
-from vmsandbox.sandbox.pool import gpu_steps
+from vmsandbox.sandbox.pool import gpu_steps, park
 from vmsandbox.sandbox.pool.shapes import shape_spec
 from vmsandbox.sandbox.pool.steps import FILL_STEPS, GPU_CLAIM_STEPS
 from vmsandbox.sandbox.spec import SandboxSpec
@@ -189,7 +189,7 @@ def test_a_claim_attaches_the_gpus_and_verifies_them(
     filled = len(hv.calls)
     sandbox = manager.create(gpu_spec(2), refill=False)
     assert stages == [
-        *("look", "locked", "claim", "fabric", "taken", "attach"),
+        *("look", "locked", "claim", "fabric", "taken", "restore", "attach"),
         *("hostname", "seen", "verify", "locked", "ready"),
     ]
     assert (sandbox.name, sandbox.domain, sandbox.state) == ("hit", domain, "ready")
@@ -433,3 +433,20 @@ def test_a_failed_claim_of_a_card_with_companions_cleans_up_without_a_note(
             manager.create(spec, refill=False)
     assert getattr(caught.value, "__notes__", []) == []
     assert everything(config, hv) == []
+
+
+def test_a_parked_gpu_ready_guest_is_restored_then_given_its_gpus(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU-ready guest holds no GPU while pooled, so it can be parked; a claim restores it
+    (the wake stubbed: pool/test_park.py) and attaches the GPUs to the running guest."""
+    manager.config = manager.pool.config = replace(
+        config, pool=tuple(replace(shape, park=True) for shape in config.pool)
+    )
+    monkeypatch.setattr(park.resume, "reach", lambda *_args: 0.1)
+    domain = f"vmsbx-{pooled_guest(manager)}"
+    assert (hv.domains[domain].state, hv.domains[domain].running) == ("parked", False)
+    sandbox = manager.create(gpu_spec(1), refill=False)
+    assert (sandbox.domain, sandbox.state) == (domain, "ready")
+    assert hv.domains[domain].running and hv.domains[domain].saved is None
+    assert set(hv.hostdev_holders().values()) == {domain}

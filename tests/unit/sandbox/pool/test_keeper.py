@@ -341,6 +341,7 @@ def test_a_claim_is_one_request_on_the_control_channel(
         "host lock wait",
         "claim",
         "taken",
+        "restore",
         "hostname",
         "ready",
     ]

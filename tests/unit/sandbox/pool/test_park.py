@@ -1,0 +1,138 @@
+"""The parked pool against the in-memory hypervisor (tests/framework/fake_hypervisor.py, which
+models managed save): a ``park`` shape's guests saved while they wait, shown ``parked``, left
+alone by reconcile, restored by a claim, removed when their restore fails (the create then
+boots cold) and by a drain. There is no guest: the wake after the restore (resume.py's, tested
+there) is stubbed, and the hostname goes through a fake ``guest_run``. test_pool.py parks and
+claims a real guest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from framework.fake_hypervisor import FakeHypervisor, refuse, unit_config
+from framework.fake_pool import pooled_guest
+
+from vmsandbox.config import Config, PoolShape, parse_pool
+from vmsandbox.errors import FailedPrecondition, InvalidArgument
+from vmsandbox.guest.ssh import ExecResult
+from vmsandbox.sandbox.holds import Holds
+from vmsandbox.sandbox.manager import SandboxManager
+from vmsandbox.sandbox.pool import park
+from vmsandbox.sandbox.spec import SandboxSpec
+
+SHAPE = {"image": "tiny", "memory_mib": 256, "disk_gib": 1, "count": 1, "park": True}
+HIT = SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1)
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Config:
+    """A state directory, an image store holding ``tiny``, a parked pool of one guest."""
+    return unit_config(tmp_path, pool={"small": SHAPE})
+
+
+@pytest.fixture
+def woken(manager: SandboxManager, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The restored guests woken (stubbed); hostnames set through a guest_run that succeeds."""
+    seen: list[str] = []
+
+    def reach(_hv: Any, _config: Any, record: Any, *_rest: Any) -> float:
+        seen.append(record.name)
+        return 0.1
+
+    monkeypatch.setattr(park.resume, "reach", reach)
+    manager.pool.guest_run = lambda *_args, **_kw: ExecResult(0, "", "")
+    return seen
+
+
+def test_park_is_true_or_false() -> None:
+    (shape,) = parse_pool({"big": {"image": "minimal", "park": True}})
+    assert shape == PoolShape("big", "minimal", 1, 1024, 4, 1, park=True)
+    assert shape.to_dict()["park"] is True
+    with pytest.raises(InvalidArgument, match="allowed: true or false") as caught:
+        parse_pool({"big": {"image": "minimal", "park": "yes"}})
+    assert (caught.value.details["field"], caught.value.details["value"]) == (
+        "pool.big.park",
+        "'yes'",
+    )
+
+
+def test_a_parked_guest_holds_no_memory_and_is_shown_parked(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    guest = pooled_guest(manager)
+    dom = hv.domains[f"vmsbx-{guest}"]
+    assert (dom.state, dom.running) == ("parked", False)
+    assert dom.saved is not None and dom.saved > 0
+    (hold,) = Holds(config).all().values()
+    assert (hold.pool, hold.owner, hold.saved_bytes) == ("small", None, dom.saved)
+    (shape,) = manager.pool.show()
+    assert shape["park"] is True and shape["ready"] == 1
+    assert shape["guests"] == [{"name": guest, "state": "parked"}]
+    assert manager.list() == []
+
+
+def test_reconcile_keeps_a_parked_guest_and_its_save(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    guest = pooled_guest(manager)
+    saved = hv.domains[f"vmsbx-{guest}"].saved
+    manager.reconcile()
+    assert hv.domains[f"vmsbx-{guest}"].saved == saved
+    assert manager.pool.show()[0]["guests"] == [{"name": guest, "state": "parked"}]
+
+
+def test_a_claim_restores_a_parked_guest(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, woken: list[str]
+) -> None:
+    guest = pooled_guest(manager)
+    sandbox = manager.create(HIT)
+    dom = hv.domains[f"vmsbx-{guest}"]
+    assert (sandbox.name, sandbox.domain, sandbox.state) == ("hit", f"vmsbx-{guest}", "ready")
+    assert (dom.running, dom.saved, dom.state) == (True, None, "ready")
+    assert woken == ["hit"]
+    assert sandbox.stage_seconds is not None and "restore" in sandbox.stage_seconds
+    (hold,) = Holds(config).all().values()
+    assert (hold.name, hold.saved_bytes, hold.pool) == ("hit", 0, None)
+
+
+def test_a_guest_that_fails_to_restore_is_removed_and_the_create_boots_cold(
+    manager: SandboxManager, hv: FakeHypervisor, woken: list[str]
+) -> None:
+    guest = pooled_guest(manager)
+    corrupt = refuse("the save image is corrupt")
+    hv.before["start"] = lambda domain: corrupt(domain) if domain == f"vmsbx-{guest}" else None
+    sandbox = manager.create(HIT, wait=False)
+    assert sandbox.domain == "vmsbx-hit" and woken == []
+    assert f"vmsbx-{guest}" not in hv.domains  # taken apart with its save, never handed out
+
+
+def test_a_drain_removes_a_parked_guest_with_its_save(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    guest = pooled_guest(manager)
+    assert manager.pool.drain() == [guest]
+    assert hv.domains == {} and Holds(config).all() == {}
+
+
+def test_a_park_past_max_saved_gib_leaves_the_guest_running(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor
+) -> None:
+    manager.config = manager.pool.config = replace(config, max_saved_gib=0)
+    guest = pooled_guest(manager)
+    dom = hv.domains[f"vmsbx-{guest}"]
+    assert (dom.state, dom.running, dom.saved) == ("pooled", True, None)
+    (hold,) = Holds(manager.config).all().values()
+    assert hold.saved_bytes == 0
+
+
+def test_a_parked_guest_cannot_be_started_as_a_sandbox(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    guest = pooled_guest(manager)
+    with pytest.raises(FailedPrecondition, match="is a guest of the warm pool"):
+        manager.start(guest)
+    assert hv.domains[f"vmsbx-{guest}"].running is False

@@ -1,0 +1,96 @@
+"""The parked pool: pooled guests of a ``park = true`` shape saved to disk while they wait.
+
+A fill boots a parked shape's guest as any pooled guest, waits for the rest of its boot, then
+saves its memory with libvirt's managed save (``park``, as suspend.py saves a sandbox; the
+guest holds no GPU, so nothing is quiesced): no QEMU process runs for it and it holds no host
+memory, only its save file on disk, which its hold counts against ``max_saved_gib``. A park
+that would pass that limit leaves the guest running (state ``pooled``). The guest is then
+stored ``parked``.
+
+A claim of a parked guest restores it (``restore``): the memory read back, the guest woken
+as resume.py wakes a sandbox (clock set, entropy reseeded beside the VM generation ID), and
+its sshd proven, before the claim's usual steps (hostname, GPUs) run. A restore that fails
+raises ``RestoreFailed`` once the claim's undos have removed the guest: the pool's keeper then
+claims the next guest, or the create boots cold. A claimed guest is never handed out unless
+its restore answered.
+
+Reconcile leaves a parked guest and its save alone (its files are all there); destroy and
+``pool drain`` remove it, and libvirt's undefine removes its save.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from vmsandbox.errors import VmSandboxError
+from vmsandbox.guest import control
+from vmsandbox.sandbox import create, resume
+from vmsandbox.sandbox.holds import Holds
+from vmsandbox.sandbox.record import STATE_CREATING
+from vmsandbox.sandbox.suspend import GIB, MIB, saved_total
+from vmsandbox.vm import netguard
+
+
+class RestoreFailed(Exception):
+    """A claimed parked guest did not come back; the claim removed it (``cause`` says why)."""
+
+    def __init__(self, guest: str, cause: BaseException) -> None:
+        super().__init__(f"restoring parked guest {guest} failed: {cause}")
+        self.guest = guest
+        self.cause = cause
+
+
+def parks(c: create.Creation) -> bool:
+    """Whether the fill ``c`` is of a ``park`` shape."""
+    return any(shape.key == c.pool_key and shape.park for shape in c.config.pool)
+
+
+def park(c: create.Creation) -> None:
+    """Fill, after the guest settled: its memory saved (the hold counting the save's room
+    first, under the lock), unless the shape does not park or the host's saves are full."""
+    if not parks(c):
+        return
+    assert c.record is not None  # made by the define step
+    need = c.record.memory_mib * MIB
+    with c.lock():
+        holds = Holds(c.config)
+        hold = c.own()
+        limit = c.config.max_saved_gib * GIB
+        if saved_total(holds.all(), but=c.uuid) + need > limit:
+            c.progress(
+                f"pooled guest {c.name} stays running: parking it would take the host's saved "
+                f"memory past max_saved_gib = {c.config.max_saved_gib}"
+            )
+            return
+        holds.put(replace(hold, saved_bytes=need))
+    c.progress(f"parking pooled guest {c.name}: saving its memory ({c.record.memory_mib} MiB)")
+    c.hypervisor.save(c.domain, uuid=c.uuid)
+
+
+def saved_bytes(c: create.Creation) -> int | None:
+    """The size of the fill's or claim's guest's save; None when it has none (it runs)."""
+    return c.hypervisor.saved(c.domain, uuid=c.uuid)
+
+
+def restore(c: create.Creation) -> None:
+    """Claim, outside the lock: a parked guest's memory restored and the guest woken (its
+    clock, its entropy), its sshd proven; nothing for a guest that runs. Any failure is
+    ``RestoreFailed`` (the runner's undos remove the guest first)."""
+    if saved_bytes(c) is None:
+        return
+    assert c.record is not None  # made by the claim step
+    started = time.monotonic()
+    try:
+        netguard.before_start(c.config)
+        c.progress(f"restoring parked guest {c.files.name}")
+        c.hypervisor.start(c.domain, uuid=c.uuid)
+        control.restrict(c.files.control)
+        # The live definition is the one saved with the guest: the claim's record again.
+        c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING, uuid=c.uuid)
+        waited = resume.reach(
+            c.hypervisor, c.config, c.record, c.uuid, c.guest_run, c.progress, started
+        )
+    except (VmSandboxError, OSError, EOFError) as exc:
+        raise RestoreFailed(c.files.name, exc) from exc
+    c.progress(f"parked guest {c.files.name} answers SSH {waited:.2f} s after its restore")
