@@ -27,9 +27,9 @@ def test_a_short_lived_sandbox_is_reaped_and_the_others_are_not(
         assert done.returncode == 0, done.stderr
         extended = json.loads(done.stdout)
         assert extended["expires_at"] > created["expires_at"]
-        listed = cli("list", config=config).stdout
-        row = next(line for line in listed.splitlines() if line.startswith(name))
-        assert row.split()[-1].endswith("s")  # EXPIRES: seconds left
+        listed = cli("list", config=config).stdout.splitlines()
+        row = next(line for line in listed if line.startswith(name)).split()
+        assert row[listed[0].split().index("EXPIRES")].endswith("s")  # seconds left
         done = cli("reap", "--json", config=config)
         assert json.loads(done.stdout)["destroyed"] == []  # not yet
         time.sleep(max(0.0, extended["expires_in_seconds"]) + 2)
