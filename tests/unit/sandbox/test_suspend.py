@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
-from framework.fake_hypervisor import FakeHypervisor, refuse, unit_config
+from framework.fake_hypervisor import FakeHypervisor, refuse
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, NotFound, ResourceExhausted
@@ -26,16 +25,6 @@ from vmsandbox.vm.process import ProcessIdentity
 
 DOMAIN = "vmsbx-box"
 DEAD = ProcessIdentity(pid=1, start="0", boot="another boot")
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return unit_config(tmp_path)
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
 
 
 @pytest.fixture

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import pytest
-from framework.fake_hypervisor import FakeHypervisor, unit_config
+from framework.fake_hypervisor import FakeHypervisor
 from framework.inventories import discover_hosts
 from lxml import etree
 
@@ -104,16 +103,6 @@ class FakeGuest:
             port = hotplug.port_of(dom.xml, bus) or f"bus {bus}"  # libvirt places the port
             if bdf in ids:
                 yield port, *ids[bdf]
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> Config:
-    return unit_config(tmp_path)
-
-
-@pytest.fixture
-def hv() -> FakeHypervisor:
-    return FakeHypervisor()
 
 
 @pytest.fixture
