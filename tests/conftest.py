@@ -3,8 +3,10 @@
 Each directory under tests/ is a scope, and a test's marker comes from its directory (see
 ``SCOPES``): ``pytest -m unit`` or ``pytest tests/unit`` runs what needs no libvirtd. The
 session-wide pieces live here: an isolated vmsandbox state directory on the real libvirtd, one
-booted guest that the end-to-end tests share (a TCG boot costs seconds to a minute here), and
-the session-end check that the run left no process of its own behind (framework/processes.py).
+booted guest that the end-to-end tests share (a TCG boot costs seconds to a minute here), the
+session-end check that the run left no process of its own behind (framework/processes.py), and
+after each module that may touch libvirt the removal, named in the run's summary, of the domains
+it left defined (framework/leftover_domains.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from framework import leftover_domains
 from framework.processes import LEAK_GRACE_SECONDS, RUN_DIRS, run_leftovers, wait_until_gone
 from framework.sandboxes import make_config
 
@@ -39,6 +42,8 @@ SCOPES = {
     "reliability": ("reliability", "crashes, chaos, hostile input and state truth"),
 }
 FIRST = "e2e/test_nested.py"
+SESSION_DIRS: set[str] = set()  # the shared state directory: its guest lives across modules
+LEFT_DOMAINS: list[leftover_domains.LeftDomain] = []
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -70,11 +75,34 @@ def no_process_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_domain_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a module that may touch libvirt: remove the domains it left defined in a folder
+    of this run's (a parked or shut-off guest runs no process), and name them in the summary."""
+    scope = request.node.path.relative_to(TESTS).parts[0]
+    before = leftover_domains.defined() if scope != "unit" else None
+    yield
+    if before is None:
+        return
+    module = request.node.path.relative_to(TESTS).as_posix()
+    for uuid, left in leftover_domains.new_in(before, RUN_DIRS - SESSION_DIRS, module):
+        leftover_domains.remove(uuid)
+        LEFT_DOMAINS.append(left)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if LEFT_DOMAINS:
+        terminalreporter.section("domains left defined (removed after their module)")
+        for left in LEFT_DOMAINS:
+            terminalreporter.write_line(f"{left.module}: {left.name} (in {left.folder})")
+
+
 @pytest.fixture(scope="session")
 def state_dir() -> Iterator[Path]:
     """A state directory of this test run's own (disks must be reachable by libvirt-qemu)."""
     root = Path(tempfile.mkdtemp(prefix="vmsbx-test-", dir="/var/tmp"))
     os.chmod(root, 0o711)
+    SESSION_DIRS.add(str(root))
     yield root
     shutil.rmtree(root, ignore_errors=True)
 

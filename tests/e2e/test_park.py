@@ -87,8 +87,7 @@ def test_a_parked_guest_holds_no_memory_and_a_claim_restores_it(park_config: Con
         ID written down in the guest."""
         if stage != "settle":
             return
-        (found,) = [f for f in manager.store.found() if f.record.name.startswith("pool-")]
-        record = found.record
+        ((record, _state, _uuid),) = manager.pool.guests()  # this state directory's own
         assert record.ssh.port is not None
         endpoint = ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user)
         keys = SandboxFiles.of(config, record.stem).keys(record.host_key_alias)

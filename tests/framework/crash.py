@@ -80,13 +80,36 @@ def start_create(
 
 
 def kill9(proc: subprocess.Popen[bytes], *, reap: bool = True) -> None:
-    """SIGKILL the process group ``proc`` leads (it and any tool it was running)."""
+    """SIGKILL the process group ``proc`` leads (it and any tool it was running); with
+    ``reap``, return once no process of the group runs any more. (A wrapper such as
+    ``unshare --fork`` dies first; the create under it may still hold its owner file a
+    moment later.)"""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     if reap:
         proc.wait(timeout=30)
         if proc.stderr is not None:
             proc.stderr.close()
+        deadline = time.monotonic() + 30
+        while group_members(proc.pid):
+            assert time.monotonic() < deadline, f"group {proc.pid} still runs after SIGKILL"
+            time.sleep(0.05)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The PIDs of process group ``pgid``'s members that are not zombies."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
 
 
 def stop_and_clean(proc: subprocess.Popen[bytes], config: Config, name: str) -> None:
