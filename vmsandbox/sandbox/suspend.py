@@ -12,7 +12,7 @@ A suspend runs, each transition under the host lock and the slow work outside it
    the driver unloaded; processes that still hold a GPU make it FAILED_PRECONDITION naming
    them, unless ``force`` ends them); the GPUs are detached (handover.py) and, under the lock,
    released as a destroy releases them (teardown.release_gpus), then sanitized;
-3. the memory saved (``Hypervisor.save``, past the page cache), once the guest's control
+3. the memory saved (``Hypervisor.save``), once the guest's control
    channel is served (``wait_for_control``: a sandbox suspended right after its create may
    still be starting the program that serves it, and its resume would wait for a wake the
    saved guest cannot answer);

@@ -100,8 +100,8 @@ class Hypervisor(Protocol):
     XML (a GPU-ready pooled guest's hostdevs, gpu/hotplug.py; a suspended GPU sandbox's).
 
     ``save`` is libvirt's managed save: the running guest's memory goes to a file libvirt
-    keeps, QEMU ends, and the domain is off until ``start`` restores it (the save bypasses the
-    host's page cache; the restore reads through it, with the kernel's read-ahead); ``saved``
+    keeps, QEMU ends, and the domain is off until ``start`` restores it (both through the
+    host's page cache: a resume soon after reads the save back from memory); ``saved``
     says whether there is such a file and its size, ``discard_save`` removes it, and so does
     ``undefine``. A guest holding a PCI host device cannot be saved. ``channel_state`` is
     what libvirt knows of the guest's end of a running domain's virtio channel (a program in
@@ -192,12 +192,13 @@ class LibvirtHypervisor:
             dom.createWithFlags(0)
 
     def save(self, domain: str, uuid: str | None = None) -> None:
-        """Save the running guest's memory (managed save, raw, past the page cache); it
+        """Save the running guest's memory (managed save, raw, through the page cache: the
+        kernel writes it out and may drop it, it is cache and no process's memory); it
         restores running. FAILED_PRECONDITION for a domain that does not run or holds a host
         PCI device."""
         dom = self._domain(domain, uuid)
         with libvirt_errors(f"saving the memory of {_what(domain)}"):
-            dom.managedSave(libvirt.VIR_DOMAIN_SAVE_BYPASS_CACHE | libvirt.VIR_DOMAIN_SAVE_RUNNING)
+            dom.managedSave(libvirt.VIR_DOMAIN_SAVE_RUNNING)
 
     def saved(self, domain: str, uuid: str | None = None) -> int | None:
         """The size in bytes of the domain's managed save; None when it has none (or the
