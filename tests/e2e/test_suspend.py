@@ -1,7 +1,8 @@
 """Suspend and resume on the real libvirtd. With the run's one booted guest (left running for the
 tests after): a process started before keeps its PID and its in-memory counter, a file written
-before keeps its checksum, the guest's clock is set right after the resume. With a sandbox of
-its own: destroy removes the save file."""
+before keeps its checksum, the guest's clock is set right after the resume, through the
+guest's control channel. With a sandbox of its own, suspended while it boots: the save waits
+for that channel, and destroy removes the save file."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from vmsandbox.config import Config
 from vmsandbox.sandbox.handle import Sandbox
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.spec import generate_name
+from vmsandbox.vm.domain import CONTROL_PORT
 
 SAVE_DIR = Path("/var/lib/libvirt/qemu/save")
 COUNTER = (
@@ -51,8 +53,15 @@ def test_a_suspended_sandbox_comes_back_as_it_was(
     assert listed["saved_bytes"] >= suspended["saved_bytes"]
     time.sleep(5)  # the guest's clock stands still meanwhile; the resume sets it
 
-    resumed = manager.resume(name)
+    said: list[str] = []
+    manager.progress, before = said.append, manager.progress
+    try:
+        resumed = manager.resume(name)
+    finally:
+        manager.progress = before
     assert resumed.state == "ready" and resumed.saved_bytes == 0
+    assert f"{name} woken through its control channel" in said  # no SSH login, no wait
+    assert manager.hypervisor.channel_state(booted.domain, CONTROL_PORT) == "connected"
     assert not save.exists()
     guest_clock = float(_out(manager, name, "date +%s.%N"))
     assert abs(guest_clock - time.time()) < 3
@@ -65,12 +74,14 @@ def test_a_suspended_sandbox_comes_back_as_it_was(
 
 
 def test_destroy_removes_a_suspended_sandboxs_save(config: Config) -> None:
+    """Suspended while it still boots: the save waits for its control channel first."""
     name = generate_name("sx")
     done = cli("create", name, "--memory", "256", "--no-wait", config=config)
     try:
         assert done.returncode == 0, done.stderr
-        done = cli("suspend", name, "--json", config=config)
+        done = cli("suspend", name, config=config)  # its progress on stderr
         assert done.returncode == 0, done.stderr
+        assert f"waiting for {name}'s guest to serve its control channel" in done.stderr
         save = SAVE_DIR / f"vmsbx-{name}.save"
         assert save.exists()
         done = cli("destroy", name, config=config)

@@ -63,8 +63,20 @@ def start_create(
 ) -> subprocess.Popen[bytes]:
     """Start ``vmsandbox create NAME`` in a process group of its own; return once it waits at
     checkpoint ``stage`` (``prefix``: a wrapper such as umockdev-run)."""
+    return start_cli(config, stage, "create", name, *SMALL, *args, prefix=prefix, env=env)
+
+
+def start_cli(
+    config: Config,
+    stage: str,
+    *args: str,
+    prefix: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``vmsandbox ARGS...`` in a process group of its own; return once it waits at
+    checkpoint ``stage`` (crash_cli.py)."""
     proc = subprocess.Popen(
-        [*prefix, sys.executable, str(CRASH_CLI), stage, "create", name, *SMALL, *args],
+        [*prefix, sys.executable, str(CRASH_CLI), stage, *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

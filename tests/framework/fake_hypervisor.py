@@ -58,6 +58,9 @@ class FakeDomain:
 class FakeHypervisor:
     domains: dict[str, FakeDomain] = field(default_factory=dict)
     leases: dict[str, str] = field(default_factory=dict)
+    # domain name -> what its guest's end of each virtio channel is (by channel name), as the
+    # QEMU driver reports it; unknown (None) otherwise, as libvirt's test driver reports it
+    channels: dict[str, dict[str, str]] = field(default_factory=dict)
     # operation name -> called with the domain name before the operation; may raise
     before: dict[str, Callable[[str], None]] = field(default_factory=dict)
     calls: list[tuple[str, str]] = field(default_factory=list)
@@ -233,6 +236,12 @@ class FakeHypervisor:
     def lease_address(self, domain: str, uuid: str | None = None) -> str | None:
         name = self._named(domain, uuid)
         return self.leases.get(name) if name is not None else None
+
+    def channel_state(self, domain: str, name: str, uuid: str | None = None) -> str | None:
+        named = self._named(domain, uuid)
+        if named is None or not self.domains[named].running:
+            return None
+        return self.channels.get(named, {}).get(name)
 
     @staticmethod
     def _hostdevs(dom: FakeDomain) -> tuple[str, ...]:

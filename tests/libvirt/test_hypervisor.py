@@ -13,9 +13,11 @@ What the test driver (libvirt 9.0) cannot do, and how this file deals with it:
 - It has no ``virDomainAttachDeviceFlags``/``virDomainDetachDeviceFlags`` (VIR_ERR_NO_SUPPORT):
   attaching to and detaching from a domain that exists is checked on the fake only; detaching
   from a domain that does not exist runs on both.
-- Its ``undefineFlags`` refuses VIR_DOMAIN_UNDEFINE_NVRAM, and its ``createWithFlags``
-  VIR_DOMAIN_START_BYPASS_CACHE, which the QEMU driver takes: the adapter
-  (``_QemuLikeDomain``) drops those flags.
+- Its ``undefineFlags`` refuses VIR_DOMAIN_UNDEFINE_NVRAM, which the QEMU driver takes: the
+  adapter (``_QemuLikeDomain``) drops that flag.
+- It keeps no state of a virtio channel's guest end: ``channel_state`` answers None for it, as
+  the fake does unless a test sets one (the QEMU driver's "connected" is checked by
+  tests/e2e/test_suspend.py).
 - Its managed save keeps no file: ``saved`` answers 0 bytes for it (the QEMU driver's size is
   its file's, checked by tests/e2e/test_suspend.py).
 - It reports the shutdown of a stopped domain as VIR_ERR_INTERNAL_ERROR where the QEMU driver
@@ -87,9 +89,6 @@ class _QemuLikeDomain:
         if not self.dom.isPersistent():  # raises VIR_ERR_OPERATION_INVALID, as QEMU does:
             self.dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_TITLE, "", None, None, _CONFIG)
         return int(self.dom.undefineFlags(flags & ~libvirt.VIR_DOMAIN_UNDEFINE_NVRAM))
-
-    def createWithFlags(self, flags: int = 0) -> int:
-        return int(self.dom.createWithFlags(flags & ~libvirt.VIR_DOMAIN_START_BYPASS_CACHE))
 
     def shutdown(self) -> int:
         if not self.dom.isActive():
@@ -178,6 +177,7 @@ class Kind:
         *,
         state: str = "creating",
         hostdevs: tuple[str, ...] = (),
+        devices: tuple[str, ...] = (),
         ours: bool = True,
     ) -> str:
         """The domain XML the manager makes (domain.build_domain_xml), for this kind."""
@@ -193,7 +193,7 @@ class Kind:
             record={"name": short},
             state=state,
             ssh_port=2222,
-            extra=[_devices(hostdevs)],
+            extra=[_devices((*hostdevs, *devices))],
         )
         root = etree.fromstring(domain_xml.build_domain_xml(plan).encode())
         if not ours:
@@ -424,6 +424,7 @@ _GONE_UUID: dict[str, tuple[Callable[[Any, str, str], object], object]] = {
         NotFound,
     ),
     "lease_address": (lambda hv, name, uuid: hv.lease_address(name, uuid=uuid), None),
+    "channel_state": (lambda hv, name, uuid: hv.channel_state(name, CHANNEL, uuid=uuid), None),
     "attach": (lambda hv, name, uuid: hv.attach(name, hostdev(0x42), uuid=uuid), NotFound),
     "detach": (lambda hv, name, uuid: hv.detach(name, hostdev(0x42), uuid=uuid), None),
     "save": (lambda hv, name, uuid: hv.save(name, uuid=uuid), NotFound),
@@ -702,13 +703,41 @@ def test_a_domain_unreadable_mid_listing_fails_the_listing(on_test_driver: Kind)
             call()
 
 
-def test_stop_reason_and_lease_address_answer_without_libvirt(kind: Kind) -> None:
-    """They word an error or wait for an address: some words, or None, never an error."""
+def test_stop_reason_lease_address_and_channel_state_answer_without_libvirt(kind: Kind) -> None:
+    """They word an error or wait for an address or a channel: some words, or None, never an
+    error."""
     kind.define("a")
     kind.hv.start(kind.domain("a"))
     kind.lose_connection()
     assert isinstance(kind.hv.stop_reason(kind.domain("a")), str)
     assert kind.hv.lease_address(kind.domain("a")) is None
+    assert kind.hv.channel_state(kind.domain("a"), CHANNEL) is None
+
+
+# -- the guest's end of a virtio channel ------------------------------------------------------
+
+CHANNEL = "org.vmsandbox.control.0"
+_CHANNEL_XML = (
+    "<channel type='unix'><source mode='bind' path='/nonexistent/control.sock'/>"
+    f"<target type='virtio' name='{CHANNEL}'/></channel>"
+)
+
+
+def test_a_channel_state_is_known_only_while_the_domain_runs(kind: Kind) -> None:
+    """None for a domain that is off or absent, a channel it does not have, and a state the
+    driver does not know; the fake reports what a test set, as the QEMU driver reports QEMU's."""
+    name = kind.domain("a")
+    kind.define("a", devices=(_CHANNEL_XML,))
+    assert kind.hv.channel_state(name, CHANNEL) is None  # off
+    kind.hv.start(name)
+    assert kind.hv.channel_state(name, "org.example.other") is None
+    assert kind.hv.channel_state(name, CHANNEL) is None  # the test driver knows no state
+    assert kind.hv.channel_state(kind.domain("absent"), CHANNEL) is None
+    if isinstance(kind.hv, FakeHypervisor):
+        kind.hv.channels[name] = {CHANNEL: "connected"}
+        assert kind.hv.channel_state(name, CHANNEL) == "connected"
+        kind.hv.stop(name)
+        assert kind.hv.channel_state(name, CHANNEL) is None
 
 
 # -- host PCI devices --------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Killed creates and reconcile: a ``vmsandbox create`` killed with SIGKILL at any point leaves
 nothing behind once reconcile has run, the host lock is free at once, and reconcile never
-touches a domain that is not a sandbox of its own state directory.
+touches a domain that is not a sandbox of its own state directory. A ``suspend`` or ``resume``
+killed around libvirt's save or restore leaves a sandbox that runs or is suspended, never
+half-way.
 
 The kills use the manager's crash checkpoints: tests/framework/crash_cli.py runs the CLI with a
 checkpoint that, at the given stage, prints ``vmsandbox-checkpoint <stage>`` on stderr and waits
@@ -27,13 +29,14 @@ from pathlib import Path
 
 import libvirt
 import pytest
-from framework.crash import SMALL, force_remove, kill9, start_create, stop_and_clean
+from framework.crash import SMALL, force_remove, kill9, start_cli, start_create, stop_and_clean
 from framework.fake_hosts import umockdev_run
 from framework.sandboxes import cli, cli_env, leftovers
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.lock import host_lock
+from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.record import SandboxFiles
 from vmsandbox.sandbox.spec import SandboxSpec, generate_name
@@ -106,6 +109,60 @@ def test_kill_9_at_random_stages_then_reconcile_leaves_nothing(config: Config) -
         finally:
             if leftovers(config, name):
                 force_remove(config, name)
+
+
+# Where a suspend or resume process is killed, and what the next reconcile makes of the
+# sandbox: state, whether its guest runs, whether libvirt keeps its save.
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+SUSPEND_KILLS = (
+    ("suspend", "before-save", ("ready", True, False)),  # nothing saved: it runs on
+    ("suspend", "after-save", ("suspended", False, True)),  # saved: the suspend is finished
+    ("resume", "before-start", ("suspended", False, True)),  # nothing restored: still saved
+    ("resume", "after-start", ("ready", True, False)),  # restored: it runs
+)
+
+
+def test_kill_9_mid_suspend_or_resume_leaves_a_sandbox_running_or_suspended(
+    config: Config,
+) -> None:
+    """A ``vmsandbox suspend`` or ``resume`` killed with SIGKILL around libvirt's save or
+    restore: reconcile settles the sandbox as running (ready) or suspended, never half-way,
+    with its hold free; its guest's memory is intact (the same boot, a file written to its
+    tmpfs before answers after) and a later suspend and resume work; destroy leaves nothing."""
+    name = generate_name("t")
+    done = cli("create", name, *SMALL, config=config)
+    assert done.returncode == 0, done.stderr
+    try:
+        memory = f"echo kept > /dev/shm/kept; cat {BOOT_ID}"
+        done = cli("exec", name, "--", "sh", "-c", memory, config=config)  # tmpfs: memory only
+        assert done.returncode == 0, done.stderr
+        boot = done.stdout.strip()
+        for command, stage, (state, runs, saved) in SUSPEND_KILLS:
+            where = f"{command} killed at {stage}"
+            kill9(start_cli(config, stage, command, name))
+            report = reconcile_cli(config)
+            assert name not in report["removed"], where
+            with SandboxManager(config, reconcile=False) as manager:
+                sandbox = manager.get(name)
+                hv = manager.hypervisor
+                assert sandbox.state == state, where
+                assert hv.running(sandbox.domain) is runs, where
+                assert (hv.saved(sandbox.domain) is not None) is saved, where
+                hold = Holds(config).all()[sandbox.uuid]
+                assert hold.owner is None and hold.doing == "", where
+                assert hold.saved_bytes > 0 if saved else hold.saved_bytes == 0, where
+            assert_lock_free(config)
+        done = cli("exec", name, "--", "sh", "-c", "cat /dev/shm/kept " + BOOT_ID, config=config)
+        assert (done.returncode, done.stdout.split()) == (0, ["kept", boot]), done.stderr
+        for command in ("suspend", "resume"):
+            done = cli(command, name, config=config)
+            assert done.returncode == 0, done.stderr
+        done = cli("destroy", name, config=config)
+        assert done.returncode == 0, done.stderr
+        assert leftovers(config, name) == []
+    finally:
+        if leftovers(config, name):
+            force_remove(config, name)
 
 
 @pytest.mark.parametrize("tool", ["qemu-img", "genisoimage"])

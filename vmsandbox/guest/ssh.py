@@ -133,6 +133,7 @@ def _client(
 
 # The signature algorithms of an RSA host key (the key's own type names none of them).
 RSA_SIGNATURES = ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
+BANNER_MAX = 255  # RFC 4253 4.2: the identification line, CR LF included
 
 
 def prove_host_key(endpoint: Endpoint, keys: SandboxKeys, timeout: float = 10.0) -> None:
@@ -165,6 +166,28 @@ def prove_host_key(endpoint: Endpoint, keys: SandboxKeys, timeout: float = 10.0)
             f"guest at {where} presented host key {shown.get_fingerprint().hex()} "
             f"({shown.get_name()}), not the key pinned for {keys.host_alias}"
         )
+
+
+def banner(endpoint: Endpoint, timeout: float = 10.0) -> str:
+    """sshd's identification line at ``endpoint`` ("SSH-2.0-..."): proof that it answers
+    there, at the cost of a TCP connection (no key exchange, which takes a TCG guest tenths of
+    a second). UNAVAILABLE when nothing there answers as an SSH server."""
+    where = f"{endpoint.host}:{endpoint.port}"
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            seen = b""
+            while b"\n" not in seen and len(seen) < BANNER_MAX:
+                chunk = sock.recv(BANNER_MAX - len(seen))
+                if not chunk:
+                    break
+                seen += chunk
+    except OSError as exc:
+        raise Unavailable(f"no SSH answer from the guest at {where}: {exc}") from exc
+    line = seen.split(b"\n", 1)[0].rstrip(b"\r").decode("ascii", "replace")
+    if not line.startswith("SSH-"):
+        raise Unavailable(f"the guest at {where} did not answer as an SSH server: {line[:80]!r}")
+    return line
 
 
 def connect(endpoint: Endpoint, keys: SandboxKeys, timeout: float = 10.0) -> paramiko.SSHClient:

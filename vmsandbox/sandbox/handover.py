@@ -11,7 +11,11 @@ and takes up the new one only once it is attached and seen.
 libvirt 9.0 cannot hot-unplug one function of a multifunction slot: a card with companions
 (HDMI audio, USB, UCSI: consumer cards) cannot be detached from a running guest, so such a
 sandbox is refused a suspend before anything is touched (``check_detachable``). Data-center
-GPUs have one function.
+GPUs have one function. So is a sandbox on an NVSwitch board: NVSwitches passed along (full
+passthrough) cannot leave a running guest either, and GPUs joined by a Fabric Manager partition
+(shared NVSwitch mode) are reset only once their partition is deactivated, which the hand-over
+does not do: their release would leave them waiting, sanitizing, for as long as the sandbox
+is suspended.
 """
 
 from __future__ import annotations
@@ -40,7 +44,23 @@ GuestRun = Callable[..., ExecResult]
 
 
 def check_detachable(record: SandboxRecord) -> None:
-    """FAILED_PRECONDITION for a sandbox with a GPU of several functions (module docstring)."""
+    """FAILED_PRECONDITION for a sandbox with a GPU of several functions, NVSwitches, or a
+    Fabric Manager partition (module docstring)."""
+    if record.switches or record.fabric_partition is not None:
+        what = (
+            f"NVSwitches {', '.join(record.switches)} are passed to it"
+            if record.switches
+            else f"its GPUs are joined by Fabric Manager partition {record.fabric_partition}"
+        )
+        raise FailedPrecondition(
+            f"sandbox {record.name!r} cannot be suspended: {what}, and a suspend hands over "
+            "GPUs on hosts without NVSwitches only; stop or destroy it instead",
+            details={
+                "name": record.name,
+                "switches": list(record.switches),
+                "fabric_partition": record.fabric_partition,
+            },
+        )
     shared = [gpu.bdf for gpu in record.gpus if gpu.companions]
     if shared:
         raise FailedPrecondition(

@@ -7,10 +7,10 @@ A resume runs, each transition under the host lock and the slow work outside it:
    RESOURCE_EXHAUSTED with the sandbox left suspended, nothing lost;
 2. under the lock: the hold taken by this call (``doing`` "resume"), the record ``resuming``
    with the new GPUs;
-3. the memory restored (``Hypervisor.start`` of a domain with a managed save, past the page
-   cache); once SSH answers, the guest woken: its clock set to the host's and its random
-   number generator reseeded from bytes the host drew (the control channel's ``wake``, or
-   over SSH for guests without it), beside the VM generation ID libvirt changed (genid);
+3. the memory restored (``Hypervisor.start`` of a domain with a managed save); the guest
+   woken: its clock set to the host's and its random number generator reseeded from bytes
+   the host drew (the control channel's ``wake``, or over SSH for guests without it), beside
+   the VM generation ID libvirt changed (genid); and sshd answering;
 4. GPU sandboxes: each GPU attached at its old guest slot (handover.py), seen by the guest,
    taken up (driver loaded, checkpointed processes restored with the old-to-new GPU map:
    guest/quiesce.py) and verified as a create verifies;
@@ -55,6 +55,7 @@ from vmsandbox.sandbox.store import Found, SandboxStore
 from vmsandbox.sandbox.suspend import recover
 from vmsandbox.sandbox.suspension import Suspension
 from vmsandbox.vm import netguard
+from vmsandbox.vm.domain import CONTROL_PORT
 from vmsandbox.vm.hypervisor import Hypervisor
 from vmsandbox.vm.process import Ownership
 
@@ -300,16 +301,21 @@ def reach(
     (pool/park.py) wakes it the same way.
 
     The guest ran when it was saved, so there is no boot to wait for: a guest that serves the
-    control channel's ``wake`` sets its clock and checks its sshd at once, while a key
-    exchange proves the host key (as a pool claim does). Other guests get the clock over SSH,
-    the command's own login being the proof that SSH answers; only when that does not answer
+    control channel's ``wake`` sets its clock and checks that its sshd runs at once, and
+    sshd's banner on the guest's port shows that it answers there. Its host key was proven
+    when the sandbox was made (as for a pool claim) and every login checks it again: the
+    restored guest is that same guest, memory and disk. Other guests (a channel libvirt says
+    the guest had closed when it was saved, an image without one) get the clock over SSH, the
+    command's own login being the proof that SSH answers; only when that does not answer
     within QUICK_S is the boot wait, with its diagnostics, run first."""
     files = SandboxFiles.of(config, record.stem)
-    keys = files.keys(record.host_key_alias)
-    if record.ssh.port is not None and files.control.exists() and _woken(files):
+    served = hypervisor.channel_state(record.domain, CONTROL_PORT, uuid=uuid) != "disconnected"
+    if record.ssh.port is not None and files.control.exists() and served and _woken(files):
         endpoint = ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user)
-        ssh.prove_host_key(endpoint, keys)
+        ssh.banner(endpoint)
+        progress(f"{record.name} woken through its control channel")
         return round(time.monotonic() - started, 3)
+    progress(f"setting the clock of {record.name} over SSH")
     deadline = time.monotonic() + QUICK_S
     while record.ssh.port is not None and time.monotonic() < deadline:
         try:

@@ -12,7 +12,10 @@ A suspend runs, each transition under the host lock and the slow work outside it
    the driver unloaded; processes that still hold a GPU make it FAILED_PRECONDITION naming
    them, unless ``force`` ends them); the GPUs are detached (handover.py) and, under the lock,
    released as a destroy releases them (teardown.release_gpus), then sanitized;
-3. the memory saved (``Hypervisor.save``, past the page cache);
+3. the memory saved (``Hypervisor.save``), once the guest's control
+   channel is served (``wait_for_control``: a sandbox suspended right after its create may
+   still be starting the program that serves it, and its resume would wait for a wake the
+   saved guest cannot answer);
 4. under the lock: the hold settled with the save's size, the record stored ``suspended``.
 
 A suspend that fails is settled at once (``settle``): a guest that still runs goes back to
@@ -45,6 +48,7 @@ from vmsandbox.sandbox.record import (
 )
 from vmsandbox.sandbox.store import Found, SandboxStore
 from vmsandbox.sandbox.teardown import hold_of, release_gpus, sanitize_released
+from vmsandbox.vm.domain import CONTROL_PORT
 from vmsandbox.vm.hypervisor import Hypervisor
 from vmsandbox.vm.process import Ownership
 
@@ -53,6 +57,10 @@ MIB = 2**20
 GIB = 2**30
 # States a sandbox may be suspended from: its guest runs and a caller may use it.
 SUSPENDABLE = (STATE_READY, "started", "failed")
+# How long a save waits for the guest to open its control channel's port (its program starts
+# right after sshd), and how often it looks.
+CONTROL_WAIT_S = 30.0
+CONTROL_POLL_S = 0.1
 
 
 def now_utc() -> str:
@@ -177,6 +185,7 @@ def _save(
             found = store.commit(found, lambda now: replace(now, gpus=()))
         for line in sanitize_released(config, lock, released):
             progress(line)
+    wait_for_control(hypervisor, record.domain, found.uuid, record.name, progress)
     progress(f"saving the memory of {record.name} ({record.memory_mib} MiB)")
     hypervisor.save(record.domain, uuid=found.uuid)
     size = hypervisor.saved(record.domain, uuid=found.uuid) or 0
@@ -189,6 +198,26 @@ def _save(
         found = store.commit(found, lambda now: replace(now, suspended=done), STATE_SUSPENDED)
     progress(f"{record.name} is suspended ({size / MIB:.0f} MiB saved)")
     return found
+
+
+def wait_for_control(
+    hypervisor: Hypervisor, domain: str, uuid: str, name: str, progress: Progress
+) -> bool:
+    """Before a save: wait (up to CONTROL_WAIT_S) until the guest has its control channel's
+    port open, so that the restored guest answers the resume's ``wake`` at once. True when it
+    has; False when the domain has no channel, libvirt does not know, or the wait ran out (the
+    resume then sets the clock over SSH)."""
+    deadline = time.monotonic() + CONTROL_WAIT_S
+    said = False
+    while (state := hypervisor.channel_state(domain, CONTROL_PORT, uuid=uuid)) == "disconnected":
+        if time.monotonic() >= deadline:
+            progress(f"{name}'s guest did not open its control channel; saving it as it is")
+            return False
+        if not said:
+            progress(f"waiting for {name}'s guest to serve its control channel (still starting)")
+            said = True
+        time.sleep(CONTROL_POLL_S)
+    return state == "connected"
 
 
 def _release(config: Config, uuid: str, owner: Ownership, name: str) -> None:

@@ -100,9 +100,12 @@ class Hypervisor(Protocol):
     XML (a GPU-ready pooled guest's hostdevs, gpu/hotplug.py; a suspended GPU sandbox's).
 
     ``save`` is libvirt's managed save: the running guest's memory goes to a file libvirt
-    keeps, QEMU ends, and the domain is off until ``start`` restores it (both bypass the host's
-    page cache); ``saved`` says whether there is such a file and its size, ``discard_save``
-    removes it, and so does ``undefine``. A guest holding a PCI host device cannot be saved.
+    keeps, QEMU ends, and the domain is off until ``start`` restores it (both through the
+    host's page cache: a resume soon after reads the save back from memory); ``saved``
+    says whether there is such a file and its size, ``discard_save`` removes it, and so does
+    ``undefine``. A guest holding a PCI host device cannot be saved. ``channel_state`` is
+    what libvirt knows of the guest's end of a running domain's virtio channel (a program in
+    the guest has the port open: "connected"), None when it knows nothing.
 
     Every method of one domain also takes a ``uuid``: given one, it acts on (or reads) the
     domain with that UUID only, whatever its name, and finds nothing when there is none (as
@@ -130,6 +133,7 @@ class Hypervisor(Protocol):
         self, domain: str, data: dict[str, Any], state: str, uuid: str | None = None
     ) -> None: ...
     def lease_address(self, domain: str, uuid: str | None = None) -> str | None: ...
+    def channel_state(self, domain: str, name: str, uuid: str | None = None) -> str | None: ...
     def hostdev_holders(self) -> dict[str, str]: ...
     def attach(self, domain: str, xml: str, uuid: str | None = None) -> None: ...
     def detach(self, domain: str, xml: str, uuid: str | None = None) -> None: ...
@@ -185,15 +189,16 @@ class LibvirtHypervisor:
         """Boot the domain, or restore its saved memory when it has a managed save."""
         dom = self._domain(domain, uuid)
         with libvirt_errors(f"starting {_what(domain)}"):
-            dom.createWithFlags(libvirt.VIR_DOMAIN_START_BYPASS_CACHE)
+            dom.createWithFlags(0)
 
     def save(self, domain: str, uuid: str | None = None) -> None:
-        """Save the running guest's memory (managed save, raw, past the page cache); it
+        """Save the running guest's memory (managed save, raw, through the page cache: the
+        kernel writes it out and may drop it, it is cache and no process's memory); it
         restores running. FAILED_PRECONDITION for a domain that does not run or holds a host
         PCI device."""
         dom = self._domain(domain, uuid)
         with libvirt_errors(f"saving the memory of {_what(domain)}"):
-            dom.managedSave(libvirt.VIR_DOMAIN_SAVE_BYPASS_CACHE | libvirt.VIR_DOMAIN_SAVE_RUNNING)
+            dom.managedSave(libvirt.VIR_DOMAIN_SAVE_RUNNING)
 
     def saved(self, domain: str, uuid: str | None = None) -> int | None:
         """The size in bytes of the domain's managed save; None when it has none (or the
@@ -347,6 +352,23 @@ class LibvirtHypervisor:
                 flags,
             )
             dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_TITLE, str(data["name"]), None, None, flags)
+
+    def channel_state(self, domain: str, name: str, uuid: str | None = None) -> str | None:
+        """The guest's end of virtio channel ``name`` of the running domain: "connected" or
+        "disconnected" as QEMU last told libvirt; None when the domain does not run or is
+        gone, has no such channel, or libvirt does not know (its test driver)."""
+        try:
+            dom = self._lookup(domain, uuid)
+            if not dom.isActive():
+                return None
+            root = etree.fromstring(dom.XMLDesc(0).encode())
+        except libvirt.libvirtError:
+            return None
+        for target in root.iterfind("devices/channel/target[@type='virtio']"):
+            if target.get("name") == name:
+                state = target.get("state")
+                return None if state is None else str(state)
+        return None
 
     def lease_address(self, domain: str, uuid: str | None = None) -> str | None:
         """The guest's IPv4 address from its network's DHCP leases, None while it has none."""

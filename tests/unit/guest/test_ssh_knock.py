@@ -1,6 +1,7 @@
-"""The SSH wait's knocks (ssh._knock), against real loopback sockets that behave as QEMU's
-user-mode forward does: a guest without network yet (accepted, then silence), a guest whose
-network refuses the port (closed at once), and sshd (its banner, left for the SSH client)."""
+"""The SSH wait's knocks (ssh._knock) and a resumed guest's banner read (ssh.banner), against
+real loopback sockets that behave as QEMU's user-mode forward does: a guest without network yet
+(accepted, then silence), a guest whose network refuses the port (closed at once), and sshd (its
+banner, left for the SSH client)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from vmsandbox.errors import DeadlineExceeded
+from vmsandbox.errors import DeadlineExceeded, Unavailable
 from vmsandbox.guest import ssh
 
 BANNER = b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n"
@@ -109,3 +110,28 @@ def test_a_guest_that_says_its_network_is_up_is_knocked_one_at_a_time(forward):
     sock = ssh._knock(endpoint, 5.0, every=0.05, at_once=1)
     sock.close()
     assert seen == [0, 1, 2, 3]
+
+
+# -- ssh.banner: a resumed guest's sshd answers ----------------------------------------------
+
+
+def test_banner_reads_sshds_identification_line(forward):
+    endpoint = forward(lambda conn: conn.sendall(BANNER))
+    assert ssh.banner(endpoint, timeout=5.0) == "SSH-2.0-OpenSSH_9.2p1 Debian-2"
+
+
+def test_a_port_that_does_not_answer_as_sshd_is_unavailable(forward):
+    endpoint = forward(lambda conn: (conn.sendall(b"HTTP/1.1 400 Bad Request\r\n"), conn.close()))
+    with pytest.raises(Unavailable, match="did not answer as an SSH server: 'HTTP"):
+        ssh.banner(endpoint, timeout=5.0)
+
+
+def test_a_silent_or_closed_port_is_unavailable(forward):
+    silent = forward(lambda conn: None)
+    with pytest.raises(Unavailable, match="no SSH answer"):
+        ssh.banner(silent, timeout=0.2)
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with pytest.raises(Unavailable, match="no SSH answer"):
+        ssh.banner(ssh.Endpoint("127.0.0.1", port, "sandbox"), timeout=1.0)

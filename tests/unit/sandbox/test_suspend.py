@@ -16,11 +16,12 @@ from framework.fake_hypervisor import FakeHypervisor, refuse
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, NotFound, ResourceExhausted
 from vmsandbox.guest.ssh import ExecResult
-from vmsandbox.sandbox import boot
+from vmsandbox.sandbox import boot, resume, suspend
 from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.manager import SandboxManager
-from vmsandbox.sandbox.record import SandboxRecord
+from vmsandbox.sandbox.record import SandboxFiles, SandboxRecord
 from vmsandbox.sandbox.spec import SandboxSpec
+from vmsandbox.vm.domain import CONTROL_PORT
 from vmsandbox.vm.process import ProcessIdentity
 
 DOMAIN = "vmsbx-box"
@@ -235,3 +236,89 @@ def test_start_of_a_suspended_sandbox_points_to_resume_and_restores_nothing(
         manager.start("box")
     assert not hv.domains[DOMAIN].running and hv.domains[DOMAIN].saved
     assert manager.stop("box", grace=1).state == "suspended"  # nothing runs: nothing to stop
+
+
+# -- the control channel: served before the save, used by the resume ---------------------------
+
+
+def test_a_save_waits_until_the_guest_serves_its_control_channel(
+    manager: SandboxManager, hv: FakeHypervisor
+) -> None:
+    """A sandbox suspended right after its create: its guest is still starting the program
+    that serves the channel; the save waits for it, so that the restore is woken at once."""
+    made(manager)
+    hv.channels[DOMAIN] = {CONTROL_PORT: "disconnected"}
+    said: list[str] = []
+
+    def progress(line: str) -> None:
+        said.append(line)
+        if "waiting for box's guest to serve its control channel" in line:
+            hv.channels[DOMAIN] = {CONTROL_PORT: "connected"}  # the guest's program starts
+
+    manager.progress = progress
+    assert manager.suspend("box").state == "suspended"
+    waited = next(n for n, line in enumerate(said) if "control channel" in line)
+    saving = next(n for n, line in enumerate(said) if line.startswith("saving the memory"))
+    assert waited < saving
+
+
+def test_a_guest_that_never_serves_its_channel_is_saved_all_the_same(
+    manager: SandboxManager, hv: FakeHypervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(suspend, "CONTROL_WAIT_S", 0.2)
+    made(manager)
+    hv.channels[DOMAIN] = {CONTROL_PORT: "disconnected"}
+    said: list[str] = []
+    manager.progress = said.append
+    assert manager.suspend("box").state == "suspended"
+    assert "box's guest did not open its control channel; saving it as it is" in said
+
+
+@pytest.mark.parametrize("state", ["connected", None])
+def test_a_resume_wakes_the_guest_through_its_channel_and_reads_sshd_banner(
+    manager: SandboxManager,
+    hv: FakeHypervisor,
+    config: Config,
+    commands: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    state: str | None,
+) -> None:
+    """No SSH login: the clock and seed go through the channel, sshd's banner shows it
+    answers (a state libvirt does not know is tried too)."""
+    woken, banners = _wake_and_banner(manager, hv, config, monkeypatch)
+    hv.channels[DOMAIN] = {CONTROL_PORT: state} if state else {}
+    assert manager.resume("box").state == "ready"
+    assert (len(woken), len(banners)) == (1, 1)
+    assert not any("date -u -s @" in command for command in commands)
+
+
+def test_a_resume_of_a_guest_whose_channel_was_closed_sets_the_clock_over_ssh(
+    manager: SandboxManager,
+    hv: FakeHypervisor,
+    config: Config,
+    commands: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """libvirt says the guest's end is closed: no wake to wait out, the clock over SSH."""
+    woken, banners = _wake_and_banner(manager, hv, config, monkeypatch)
+    hv.channels[DOMAIN] = {CONTROL_PORT: "disconnected"}
+    assert manager.resume("box").state == "ready"
+    assert (woken, banners) == ([], [])
+    assert any("date -u -s @" in command for command in commands)
+
+
+def _wake_and_banner(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[object], list[object]]:
+    """A suspended sandbox whose host end of the channel is there; the wake and the banner
+    read recorded (each succeeds)."""
+    made(manager)
+    manager.suspend("box")
+    SandboxFiles.of(config, "box").control.touch()
+    woken: list[object] = []
+    banners: list[object] = []
+    monkeypatch.setattr(resume, "_woken", lambda files: woken.append(files) or True)
+    monkeypatch.setattr(
+        resume.ssh, "banner", lambda endpoint: banners.append(endpoint) or "SSH-2.0-x"
+    )
+    return woken, banners

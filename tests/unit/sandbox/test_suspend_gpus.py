@@ -179,6 +179,36 @@ def test_processes_that_hold_a_gpu_refuse_the_suspend_unless_forced(
     assert manager.suspend("box", force=True).state == "suspended"
 
 
+@pytest.mark.parametrize(
+    ("fabric", "words"),
+    [
+        ({"fabric_partition": 4}, "its GPUs are joined by Fabric Manager partition 4"),
+        ({"switches": ["0000:05:00.0"]}, "NVSwitches 0000:05:00.0 are passed to it"),
+    ],
+)
+def test_a_sandbox_on_an_nvswitch_board_is_refused_before_anything_is_touched(
+    manager: SandboxManager,
+    hv: FakeHypervisor,
+    config: Config,
+    guest: FakeGuest,
+    fabric: dict[str, object],
+    words: str,
+) -> None:
+    """Its GPUs could not be reset while the partition stays active (or its switches not
+    detached): the suspend says so, and the guest, its GPUs and its hold stay as they were."""
+    made = gpu_box(manager)
+    dom = hv.domains["vmsbx-box"]
+    dom.data = {**(dom.data or {}), **fabric}
+    before = manager.get("box").state
+    with pytest.raises(FailedPrecondition, match=f"cannot be suspended: {words}") as caught:
+        manager.suspend("box")
+    assert caught.value.details["name"] == "box"
+    assert dom.running and dom.saved is None and record(hv).suspended is None
+    assert held_by(config, hv) == {made.gpus[0].bdf}
+    assert not any("quiesce" in c for c in guest.commands)
+    assert manager.get("box").state == before
+
+
 def test_a_resume_takes_a_free_gpu_of_the_model_at_the_old_slot_and_verifies(
     manager: SandboxManager, hv: FakeHypervisor, config: Config, guest: FakeGuest
 ) -> None:

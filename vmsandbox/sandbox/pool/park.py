@@ -28,7 +28,7 @@ from vmsandbox.guest import control
 from vmsandbox.sandbox import create, resume
 from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.record import STATE_CREATING
-from vmsandbox.sandbox.suspend import GIB, MIB, saved_total
+from vmsandbox.sandbox.suspend import GIB, MIB, saved_total, wait_for_control
 from vmsandbox.vm import netguard
 
 
@@ -64,6 +64,7 @@ def park(c: create.Creation) -> None:
             )
             return
         holds.put(replace(hold, saved_bytes=need))
+    wait_for_control(c.hypervisor, c.domain, c.uuid, c.name, c.progress)
     c.progress(f"parking pooled guest {c.name}: saving its memory ({c.record.memory_mib} MiB)")
     c.hypervisor.save(c.domain, uuid=c.uuid)
 
