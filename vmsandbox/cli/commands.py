@@ -51,12 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Until the arguments parse, --json anywhere in ours chooses how their error is shown.
     out: Output = JsonOutput() if "--json" in ours else Output()
     try:
-        completion.complete(build_parser())  # the shell asking for completions: answered, exit
+        parser = build_parser()  # tens of milliseconds: built once per process
+        completion.complete(parser)  # the shell asking for completions: answered, exit
         if not [arg for arg in ours if arg != "--json"]:
             if not out.json:
-                build_parser().print_help()
+                parser.print_help()
             raise InvalidArgument("vmsandbox: give a command ('vmsandbox --help' lists them)")
-        args = _parse(ours)
+        args = _parse(parser, ours)
         wants_json = args.json or "--json" in getattr(args, "ssh_options", ())
         out = JsonOutput() if wants_json else Output()
         _refuse_json(args)
@@ -83,11 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _parse(ours: list[str]) -> argparse.Namespace:
+def _parse(parser: argparse.ArgumentParser, ours: list[str]) -> argparse.Namespace:
     """The parsed arguments; an option of the guest's written without ``--`` in front of the
     guest's command (``exec NAME uname -r``) is named with the way to write it."""
     try:
-        return build_parser().parse_args(ours)
+        return parser.parse_args(ours)
     except InvalidArgument as exc:
         command = next((arg for arg in ours if not arg.startswith("-")), None)
         if command in ("exec", "ssh") and "unrecognized arguments" in exc.message:
