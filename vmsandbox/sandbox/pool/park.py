@@ -76,8 +76,9 @@ def saved_bytes(c: create.Creation) -> int | None:
 
 def restore(c: create.Creation) -> None:
     """Claim, outside the lock: a parked guest's memory restored and the guest woken (its
-    clock, its entropy), its sshd proven; nothing for a guest that runs. Any failure is
-    ``RestoreFailed`` (the runner's undos remove the guest first)."""
+    clock, its entropy), its sshd proven; nothing for a guest that runs. Its hold counts the
+    save against ``max_saved_gib`` until it is restored. Any failure is ``RestoreFailed``
+    (the runner's undos remove the guest first)."""
     if saved_bytes(c) is None:
         return
     assert c.record is not None  # made by the claim step
@@ -94,4 +95,6 @@ def restore(c: create.Creation) -> None:
         )
     except (VmSandboxError, OSError, EOFError) as exc:
         raise RestoreFailed(c.files.name, exc) from exc
+    with c.lock():  # restored: libvirt removed the save, which the hold counted until now
+        c.holds.put(replace(c.own(), saved_bytes=0))
     c.progress(f"parked guest {c.files.name} answers SSH {waited:.2f} s after its restore")

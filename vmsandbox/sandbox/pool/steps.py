@@ -102,8 +102,7 @@ def _claim(c: create.Creation) -> None:
             gpus=reserve.held_functions(c.allocation),
             partition=partition.id if partition else None,
             owner=c.owner.identity,
-            doing="claim",
-            saved_bytes=0,  # a parked guest's save is restored (or removed) by this claim
+            doing="claim",  # a parked guest's save stays counted until park.restore is done
         )
     )
     c.record = replace(

@@ -99,6 +99,26 @@ def test_a_claim_restores_a_parked_guest(
     assert (hold.name, hold.saved_bytes, hold.pool) == ("hit", 0, None)
 
 
+def test_a_claimed_guests_save_counts_against_the_limit_until_it_is_restored(
+    manager: SandboxManager, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another suspend or park meanwhile must not take the room the save still fills."""
+    pooled_guest(manager)
+    counted: list[int] = []
+
+    def reach(*_args: Any) -> float:
+        (hold,) = Holds(config).all().values()
+        counted.append(hold.saved_bytes)
+        return 0.1
+
+    monkeypatch.setattr(park.resume, "reach", reach)
+    manager.pool.guest_run = lambda *_args, **_kw: ExecResult(0, "", "")
+    manager.create(HIT)
+    assert counted and counted[0] > 0
+    (hold,) = Holds(config).all().values()
+    assert hold.saved_bytes == 0
+
+
 def test_a_guest_that_fails_to_restore_is_removed_and_the_create_boots_cold(
     manager: SandboxManager, hv: FakeHypervisor, woken: list[str]
 ) -> None:
