@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from lxml import etree
+
 SYSTEM_URI = "qemu:///system"
 
 
@@ -53,7 +55,7 @@ def new_in(before: dict[str, str], dirs: set[str], module: str) -> list[tuple[st
             continue
         folder = next((p for p in prefixes if p in xml), None)
         if folder is not None:
-            name = xml.split("<name>", 1)[1].split("</name>", 1)[0]
+            name = etree.fromstring(xml.encode()).findtext("name", "")
             left.append((uuid, LeftDomain(module, name, folder)))
     return left
 

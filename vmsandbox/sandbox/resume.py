@@ -309,8 +309,12 @@ def reach(
     command's own login being the proof that SSH answers; only when that does not answer
     within QUICK_S is the boot wait, with its diagnostics, run first."""
     files = SandboxFiles.of(config, record.stem)
-    served = hypervisor.channel_state(record.domain, CONTROL_PORT, uuid=uuid) != "disconnected"
-    if record.ssh.port is not None and files.control.exists() and served and _woken(files):
+    if (
+        record.ssh.port is not None
+        and files.control.exists()
+        and hypervisor.channel_state(record.domain, CONTROL_PORT, uuid=uuid) != "disconnected"
+        and _woken(files)
+    ):
         endpoint = ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user)
         ssh.banner(endpoint)
         progress(f"{record.name} woken through its control channel")

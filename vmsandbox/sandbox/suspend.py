@@ -202,22 +202,21 @@ def _save(
 
 def wait_for_control(
     hypervisor: Hypervisor, domain: str, uuid: str, name: str, progress: Progress
-) -> bool:
+) -> None:
     """Before a save: wait (up to CONTROL_WAIT_S) until the guest has its control channel's
-    port open, so that the restored guest answers the resume's ``wake`` at once. True when it
-    has; False when the domain has no channel, libvirt does not know, or the wait ran out (the
-    resume then sets the clock over SSH)."""
+    port open, so that the restored guest answers the resume's ``wake`` at once. Nothing to
+    wait for when the domain has no channel or libvirt does not know; when the wait runs out
+    the guest is saved all the same (its resume then sets the clock over SSH)."""
     deadline = time.monotonic() + CONTROL_WAIT_S
     said = False
-    while (state := hypervisor.channel_state(domain, CONTROL_PORT, uuid=uuid)) == "disconnected":
+    while hypervisor.channel_state(domain, CONTROL_PORT, uuid=uuid) == "disconnected":
         if time.monotonic() >= deadline:
             progress(f"{name}'s guest did not open its control channel; saving it as it is")
-            return False
+            return
         if not said:
             progress(f"waiting for {name}'s guest to serve its control channel (still starting)")
             said = True
         time.sleep(CONTROL_POLL_S)
-    return state == "connected"
 
 
 def _release(config: Config, uuid: str, owner: Ownership, name: str) -> None:
