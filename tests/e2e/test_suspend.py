@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from framework.sandboxes import cli, leftovers
@@ -51,6 +52,10 @@ def test_a_suspended_sandbox_comes_back_as_it_was(
     listed = json.loads(cli("list", "--json", config=config).stdout)
     assert [s["state"] for s in listed["sandboxes"] if s["name"] == name] == ["suspended"]
     assert listed["saved_bytes"] >= suspended["saved_bytes"]
+    with manager.locked():  # a record change while saved: the restored domain answers with it
+        found = manager.store.require(name)
+        labels = {**found.record.labels, "while-saved": "1"}
+        manager.store.commit(found, lambda now: replace(now, labels=labels))
     time.sleep(5)  # the guest's clock stands still meanwhile; the resume sets it
 
     said: list[str] = []
@@ -60,6 +65,7 @@ def test_a_suspended_sandbox_comes_back_as_it_was(
     finally:
         manager.progress = before
     assert resumed.state == "ready" and resumed.saved_bytes == 0
+    assert resumed.labels.get("while-saved") == "1"
     assert f"{name} woken through its control channel" in said  # no SSH login, no wait
     assert manager.hypervisor.channel_state(booted.domain, CONTROL_PORT) == "connected"
     assert not save.exists()
@@ -71,6 +77,9 @@ def test_a_suspended_sandbox_comes_back_as_it_was(
     assert _out(manager, name, "sha256sum ~/data") == checksum
 
     _out(manager, name, f"kill {pid}; rm -f ~/data /tmp/counter")
+    with manager.locked():
+        found = manager.store.require(name)
+        manager.store.commit(found, lambda now: replace(now, labels=booted.labels))
 
 
 def test_destroy_removes_a_suspended_sandboxs_save(config: Config) -> None:

@@ -579,6 +579,20 @@ def test_a_saved_domain_is_off_until_its_start_restores_it(kind: Kind) -> None:
     assert kind.hv.metadata(name) is None and kind.hv.saved(name) is None
 
 
+def test_a_restored_domain_runs_with_the_record_stored_while_it_was_saved(kind: Kind) -> None:
+    """The save holds the domain as it was when saved; what was stored since (a resume's GPUs,
+    a lifetime extended) is what the restored domain answers with."""
+    uuid = kind.define("a", state="ready")
+    name = kind.domain("a")
+    kind.hv.start(name)
+    kind.hv.save(name, uuid=uuid)
+    kind.hv.set_metadata(name, {"name": "a", "gpus": ["0000:41:00.0"]}, "resuming", uuid=uuid)
+    kind.hv.start(name, uuid=uuid)
+    assert kind.hv.running(name)
+    expected = Stored(name, {"name": "a", "gpus": ["0000:41:00.0"]}, "resuming", uuid)
+    assert kind.hv.metadata(name) == expected
+
+
 def test_a_guest_holding_a_host_device_cannot_be_saved(on_fake: Kind) -> None:
     """QEMU cannot migrate a VFIO device (the test driver does not check): the device must be
     detached first, which a suspend does."""

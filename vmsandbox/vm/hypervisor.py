@@ -153,6 +153,42 @@ _SHUTOFF_REASONS = {
 _SAVE_DIRS = {"qemu:///system": "/var/lib/libvirt/qemu/save"}
 
 
+def _restore(dom: libvirt.virDomain) -> None:
+    """Restore a domain's managed save. The save carries the domain's XML of the moment it was
+    saved, metadata included, and libvirt runs the restored guest on it: what ``set_metadata``
+    stored since (a resume's new GPUs, a lifetime extended while suspended) would be read back
+    stale. So the guest is restored paused, the stored record is written onto it, and it runs
+    (also when the write failed: the error is raised once its memory is live). A driver that
+    cannot start a domain paused (libvirt's test driver) restores it running."""
+    paused = True
+    try:
+        dom.createWithFlags(libvirt.VIR_DOMAIN_START_PAUSED)
+    except libvirt.libvirtError as exc:
+        if exc.get_error_code() != libvirt.VIR_ERR_INVALID_ARG:
+            raise
+        dom.createWithFlags(0)
+        paused = False
+    try:
+        stored = domain_xml.read_metadata(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+        if stored is not None:
+            _write_metadata(dom, *stored, libvirt.VIR_DOMAIN_AFFECT_LIVE)
+    finally:
+        if paused:
+            dom.resume()
+
+
+def _write_metadata(dom: libvirt.virDomain, data: dict[str, Any], state: str, flags: int) -> None:
+    """The record and state as our metadata element, the record's name as the title."""
+    dom.setMetadata(
+        libvirt.VIR_DOMAIN_METADATA_ELEMENT,
+        domain_xml.metadata_xml(data, state),
+        domain_xml.METADATA_KEY,
+        domain_xml.METADATA_NS,
+        flags,
+    )
+    dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_TITLE, str(data["name"]), None, None, flags)
+
+
 class LibvirtHypervisor:
     """``Hypervisor`` on one libvirt connection, reopened when it has dropped."""
 
@@ -186,10 +222,14 @@ class LibvirtHypervisor:
             self.conn.defineXML(xml)
 
     def start(self, domain: str, uuid: str | None = None) -> None:
-        """Boot the domain, or restore its saved memory when it has a managed save."""
+        """Boot the domain, or restore its saved memory when it has a managed save, with the
+        record and title last stored (``_restore``)."""
         dom = self._domain(domain, uuid)
         with libvirt_errors(f"starting {_what(domain)}"):
-            dom.createWithFlags(0)
+            if dom.hasManagedSaveImage(0):
+                _restore(dom)
+            else:
+                dom.createWithFlags(0)
 
     def save(self, domain: str, uuid: str | None = None) -> None:
         """Save the running guest's memory (managed save, raw, through the page cache: the
@@ -344,14 +384,7 @@ class LibvirtHypervisor:
             libvirt.VIR_DOMAIN_AFFECT_LIVE if dom.isActive() else 0
         )
         with libvirt_errors(f"updating the metadata of {_what(domain)}"):
-            dom.setMetadata(
-                libvirt.VIR_DOMAIN_METADATA_ELEMENT,
-                domain_xml.metadata_xml(data, state),
-                domain_xml.METADATA_KEY,
-                domain_xml.METADATA_NS,
-                flags,
-            )
-            dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_TITLE, str(data["name"]), None, None, flags)
+            _write_metadata(dom, data, state, flags)
 
     def channel_state(self, domain: str, name: str, uuid: str | None = None) -> str | None:
         """The guest's end of virtio channel ``name`` of the running domain: "connected" or
