@@ -65,7 +65,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
 def _remove(args: argparse.Namespace, config: Config, store: ImageStore, out: Output) -> int:
     """``images rm NAME`` and ``images prune``: what was removed and the disk space freed."""
     from vmsandbox.image.users import image_users
-    from vmsandbox.vm.hypervisor import open_connection
+    from vmsandbox.vm.connection import open_connection
 
     conn = open_connection(config.uri)
     try:

@@ -25,7 +25,7 @@ from lxml import etree
 from vmsandbox.errors import FailedPrecondition
 from vmsandbox.image.store import ImageStore
 from vmsandbox.vm import domain as domain_xml
-from vmsandbox.vm.hypervisor import libvirt_errors, translate
+from vmsandbox.vm.connection import libvirt_errors, translate
 
 
 def image_users(conn: libvirt.virConnect, store: ImageStore) -> dict[Path, list[str]]:

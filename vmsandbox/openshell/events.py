@@ -23,8 +23,8 @@ from typing import Protocol
 
 import libvirt
 
+from vmsandbox.vm.connection import open_connection
 from vmsandbox.vm.domain import DOMAIN_PREFIX
-from vmsandbox.vm.hypervisor import open_connection
 
 log = logging.getLogger(__name__)
 

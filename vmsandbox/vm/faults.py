@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import libvirt
 
-from vmsandbox.vm.hypervisor import libvirt_errors
+from vmsandbox.vm.connection import libvirt_errors
 
 # virDomainPausedReason as words (libvirt-domain.h), by the constants' names: an older
 # libvirt-python lacks the newer ones (API_ERROR came with libvirt 10.2).

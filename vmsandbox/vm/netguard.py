@@ -199,7 +199,7 @@ def bridge_of(uri: str, network: str) -> str | None:
     import libvirt
 
     from vmsandbox.errors import Unavailable
-    from vmsandbox.vm.hypervisor import open_connection
+    from vmsandbox.vm.connection import open_connection
 
     try:
         conn = open_connection(uri)
