@@ -19,7 +19,8 @@
 # VMSANDBOX_NESTED_DIR (default /var/tmp/vmsandbox-nested) holds the running host's files;
 # VMSANDBOX_NESTED_CPUS (default 1), VMSANDBOX_NESTED_MEMORY_MIB (default 3072),
 # VMSANDBOX_NESTED_CPU (default EPYC), VMSANDBOX_NESTED_TCG_THREAD (multi or single, default
-# multi) and VMSANDBOX_NESTED_BOOT_TIMEOUT (default 900 s). L1 is a plain QEMU process under TCG
+# multi), VMSANDBOX_NESTED_CARDS (mixed or twin, default mixed: see CARDS) and
+# VMSANDBOX_NESTED_BOOT_TIMEOUT (default 900 s). L1 is a plain QEMU process under TCG
 # in a session of its own; its SSH is forwarded to 127.0.0.1 only, its monitor is a UNIX socket
 # in VMSANDBOX_NESTED_DIR.
 set -euo pipefail
@@ -52,8 +53,16 @@ TCG_THREAD="${VMSANDBOX_NESTED_TCG_THREAD:-multi}"
 # L1's kernel can reset it with a secondary bus reset (reset_method "bus") and every rule of
 # vmsandbox holds in L1 as on a GPU host. The ports' ids are what QEMU's monitor names them by
 # (fault injection: `pcie_aer_inject_error gpu1 ...`).
+# VMSANDBOX_NESTED_CARDS=twin gives two Rage 128 Pros instead: two cards of one model, for a
+# suspended sandbox resumed onto the other card (give it a VMSANDBOX_NESTED_DIR of its own).
+CARD_SET="${VMSANDBOX_NESTED_CARDS:-mixed}"
+case "$CARD_SET" in
+  mixed) FIRST_MODEL=rv100 ;;
+  twin) FIRST_MODEL=rage128p ;;
+  *) echo "[nested] VMSANDBOX_NESTED_CARDS is '$CARD_SET': mixed or twin" >&2; exit 2 ;;
+esac
 CARDS=(
-  -device pcie-root-port,id=gpu0,bus=pcie.0,addr=0x5,chassis=5 -device ati-vga,model=rv100,bus=gpu0
+  -device pcie-root-port,id=gpu0,bus=pcie.0,addr=0x5,chassis=5 -device "ati-vga,model=$FIRST_MODEL,bus=gpu0"
   -device pcie-root-port,id=gpu1,bus=pcie.0,addr=0x6,chassis=6 -device ati-vga,model=rage128p,bus=gpu1
 )
 # L1's scrub hook: the cards keep their video memory through a reset, so vmsandbox's sanitize

@@ -41,13 +41,13 @@ SCOPES = {
     "e2e": ("e2e", "boots real guests under TCG (the nested GPU host too) or a Ray cluster"),
     "reliability": ("reliability", "crashes, chaos, hostile input and state truth"),
 }
-FIRST = "e2e/test_nested.py"
+FIRST = ("e2e/test_nested.py", "e2e/test_nested_suspend.py")  # in this order
 SESSION_DIRS: set[str] = set()  # the shared state directory: its guest lives across modules
 LEFT_DOMAINS: list[leftover_domains.LeftDomain] = []
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test with its directory's scope; run the nested GPU host's module first. Its
+    """Mark each test with its directory's scope; run the nested GPU host's modules first. Their
     L2 guests run under KVM inside a TCG L1, which crawls when the 2-core machine is busy;
     later modules leave guests running (the session's shared one boots with the first test
     that asks for it and runs to the end)."""
@@ -58,7 +58,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 f"{item.path}: a test lives in one of tests/{{{','.join(SCOPES)}}}/"
             )
         item.add_marker(SCOPES[scope][0])
-    items.sort(key=lambda item: item.path.relative_to(TESTS).as_posix() != FIRST)  # stable
+    rank = {module: place for place, module in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(TESTS).as_posix(), len(FIRST)))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -34,7 +34,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any
 
 import pytest
 from framework import canary
-from framework.nested_host import POOL_CONFIG, POOL_TOML, START_LIMIT, NestedHost
+from framework.nested_host import POOL_CONFIG, POOL_TOML, NestedHost, module_host
 from framework.paths import REPO
 
 from vmsandbox.sandbox.spec import generate_name
@@ -132,35 +131,8 @@ def seen_ids(host: NestedHost, name: str) -> list[tuple[str, ...]]:
 
 @pytest.fixture(scope="module")
 def host() -> Iterator[NestedHost]:
-    """The module's nested host. Its budget starts once the images are built and L1's pristine
-    snapshot saved (``nested.sh prepare``: a cold boot of L1 when there is no current one),
-    each when needed; the snapshot is kept for the next run."""
-    for image in ("minimal", "nested"):
-        subprocess.run(
-            [sys.executable, "-m", "vmsandbox.cli", "images", "build", image],
-            env=nested_env(),
-            check=True,
-            timeout=3600,
-        )
-    prepared = subprocess.run(
-        ["bash", str(NESTED), "prepare"],
-        env=nested_env(),
-        capture_output=True,
-        text=True,
-        timeout=START_LIMIT,
-        check=False,
-    )
-    assert prepared.returncode == 0, f"setup/nested.sh prepare failed:\n{prepared.stderr[-4000:]}"
-    nested = NestedHost(NESTED, nested_env(), STATE_DIR, LOG_DIR)
-    try:
-        yield nested
-    finally:
-        summary = nested.summary()
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
-        (LOG_DIR / "summary.txt").write_text(summary + "\n")
-        if any(life.lost for life in nested.lives):
-            warnings.warn(f"the test host lost L1s (steps ran again):\n{summary}", stacklevel=1)
-        nested.kill()  # the snapshot stays: the next run starts from it
+    """The module's nested host (nested_host.module_host)."""
+    yield from module_host(NESTED, nested_env(), STATE_DIR, LOG_DIR)
 
 
 @dataclass

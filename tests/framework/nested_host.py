@@ -33,7 +33,8 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -221,11 +222,19 @@ class Running:
 class NestedHost:
     """The nested host of one test module (see the module docstring)."""
 
-    def __init__(self, script: Path, env: dict[str, str], state_dir: Path, log_dir: Path) -> None:
+    def __init__(
+        self,
+        script: Path,
+        env: dict[str, str],
+        state_dir: Path,
+        log_dir: Path,
+        budget: float = BUDGET,
+    ) -> None:
         self.script, self.env = script, env
         self.state_dir, self.log_dir = state_dir, log_dir
+        self.budget = budget
         self.lives: list[L1Life] = []
-        self.deadline = time.monotonic() + BUDGET
+        self.deadline = time.monotonic() + budget
         self.began = time.monotonic()
         self.console_seen = 0
         self.heartbeat: Heartbeat | None = None
@@ -417,6 +426,41 @@ class NestedHost:
         lost = sum(1 for life in self.lives if life.lost)
         head = (
             f"nested host: {len(self.lives)} L1(s) started, {lost} lost, {spent:.0f} s of the"
-            f" {BUDGET:.0f} s budget spent (consoles of lost L1s in {self.log_dir})"
+            f" {self.budget:.0f} s budget spent (consoles of lost L1s in {self.log_dir})"
         )
         return "\n".join([head, *(f"  {life.describe()}" for life in self.lives)])
+
+
+def module_host(
+    script: Path, env: dict[str, str], state_dir: Path, log_dir: Path, budget: float = BUDGET
+) -> Iterator[NestedHost]:
+    """A test module's nested host (use with ``yield from`` in a module fixture). Its budget
+    starts once the images are built and L1's pristine snapshot saved (``nested.sh prepare``:
+    a cold boot of L1 when there is no current one), each when needed; the snapshot is kept for
+    the next run, the summary written to ``log_dir``/summary.txt."""
+    for image in ("minimal", "nested"):
+        subprocess.run(
+            [env.get("PYTHON", "python3"), "-m", "vmsandbox.cli", "images", "build", image],
+            env=env,
+            check=True,
+            timeout=3600,
+        )
+    prepared = subprocess.run(
+        ["bash", str(script), "prepare"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=START_LIMIT,
+        check=False,
+    )
+    assert prepared.returncode == 0, f"setup/nested.sh prepare failed:\n{prepared.stderr[-4000:]}"
+    nested = NestedHost(script, env, state_dir, log_dir, budget)
+    try:
+        yield nested
+    finally:
+        summary = nested.summary()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / "summary.txt").write_text(summary + "\n")
+        if any(life.lost for life in nested.lives):
+            warnings.warn(f"the test host lost L1s (steps ran again):\n{summary}", stacklevel=1)
+        nested.kill()  # the snapshot stays: the next run starts from it
