@@ -91,27 +91,16 @@ def test_processes_that_hold_a_gpu_refuse_the_suspend_unless_forced(
     assert manager.suspend("box", force=True).state == "suspended"
 
 
-@pytest.mark.parametrize(
-    ("fabric", "words"),
-    [
-        ({"fabric_partition": 4}, "its GPUs are joined by Fabric Manager partition 4"),
-        ({"switches": ["0000:05:00.0"]}, "NVSwitches 0000:05:00.0 are passed to it"),
-    ],
-)
-def test_a_sandbox_on_an_nvswitch_board_is_refused_before_anything_is_touched(
-    manager: SandboxManager,
-    hv: FakeHypervisor,
-    config: Config,
-    guest: FakeGuest,
-    fabric: dict[str, object],
-    words: str,
+def test_a_sandbox_with_nvswitches_is_refused_before_anything_is_touched(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config, guest: FakeGuest
 ) -> None:
-    """Its GPUs could not be reset while the partition stays active (or its switches not
-    detached): the suspend says so, and the guest, its GPUs and its hold stay as they were."""
+    """Full passthrough: the NVSwitches passed along cannot leave a running guest. The suspend
+    says so, and the guest, its GPUs and its hold stay as they were."""
     made = gpu_box(manager)
     dom = hv.domains["vmsbx-box"]
-    dom.data = {**(dom.data or {}), **fabric}
+    dom.data = {**(dom.data or {}), "switches": ["0000:05:00.0"]}
     before = manager.get("box").state
+    words = r"NVSwitches 0000:05:00.0 are passed to it \(full passthrough\)"
     with pytest.raises(FailedPrecondition, match=f"cannot be suspended: {words}") as caught:
         manager.suspend("box")
     assert caught.value.details["name"] == "box"
