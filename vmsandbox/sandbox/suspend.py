@@ -337,8 +337,6 @@ def settle(
         kept = record.suspended
         if kept is not None and record.gpus and not kept.gpus:
             kept = replace(kept, gpus=record.gpus)
-        if kept is not None and record.fabric_partition is not None and kept.gpus:
-            kept = replace(kept, partition_size=kept.partition_size or len(kept.gpus))
         if kept is not None:
             kept = replace(kept, save_bytes=size)
         hold = release_gpus(holds, hold, f"sandbox {hold.name} ({uuid}) saved, GPUs let go")
