@@ -11,11 +11,12 @@ and takes up the new one only once it is attached and seen.
 libvirt 9.0 cannot hot-unplug one function of a multifunction slot: a card with companions
 (HDMI audio, USB, UCSI: consumer cards) cannot be detached from a running guest, so such a
 sandbox is refused a suspend before anything is touched (``check_detachable``). Data-center
-GPUs have one function. So is a sandbox on an NVSwitch board: NVSwitches passed along (full
-passthrough) cannot leave a running guest either, and GPUs joined by a Fabric Manager partition
-(shared NVSwitch mode) are reset only once their partition is deactivated, which the hand-over
-does not do: their release would leave them waiting, sanitizing, for as long as the sandbox
-is suspended.
+GPUs have one function. A sandbox on an NVSwitch board in full passthrough is refused too:
+the NVSwitches passed along cannot leave a running guest. GPUs joined by a Fabric Manager
+partition (shared NVSwitch mode) are handed over like any others; the suspend deactivates
+their partition once they are out of the guest, since FM lets them be reset only then, and the
+resume activates a free partition of the same size before it attaches its GPUs (suspend.py,
+resume.py).
 """
 
 from __future__ import annotations
@@ -44,22 +45,14 @@ GuestRun = Callable[..., ExecResult]
 
 
 def check_detachable(record: SandboxRecord) -> None:
-    """FAILED_PRECONDITION for a sandbox with a GPU of several functions, NVSwitches, or a
-    Fabric Manager partition (module docstring)."""
-    if record.switches or record.fabric_partition is not None:
-        what = (
-            f"NVSwitches {', '.join(record.switches)} are passed to it"
-            if record.switches
-            else f"its GPUs are joined by Fabric Manager partition {record.fabric_partition}"
-        )
+    """FAILED_PRECONDITION for a sandbox with a GPU of several functions or with NVSwitches
+    (module docstring)."""
+    if record.switches:
         raise FailedPrecondition(
-            f"sandbox {record.name!r} cannot be suspended: {what}, and a suspend hands over "
-            "GPUs on hosts without NVSwitches only; stop or destroy it instead",
-            details={
-                "name": record.name,
-                "switches": list(record.switches),
-                "fabric_partition": record.fabric_partition,
-            },
+            f"sandbox {record.name!r} cannot be suspended: NVSwitches "
+            f"{', '.join(record.switches)} are passed to it (full passthrough), and NVSwitches "
+            "cannot leave a running guest; stop or destroy it instead",
+            details={"name": record.name, "switches": list(record.switches)},
         )
     shared = [gpu.bdf for gpu in record.gpus if gpu.companions]
     if shared:
@@ -88,9 +81,11 @@ def hostdevs(gpu: GpuRecord, bus: int, firmware: str) -> Iterator[tuple[str, str
 
 
 def suspension(record: SandboxRecord, definition: str, at: str) -> Suspension:
-    """What a suspend of ``record`` keeps: the GPUs it holds and where each sits in the guest
-    (read from its domain's ``definition``). One already begun (an interrupted suspend or
-    resume) is kept, with the GPUs held now in place of those it had."""
+    """What a suspend of ``record`` keeps: the GPUs it holds, where each sits in the guest
+    (read from its domain's ``definition``) and the size of the partition that joins them.
+    One already begun (an interrupted suspend or resume) is kept, with the GPUs held now in
+    place of those it had."""
+    size = len(record.gpus) if record.fabric_partition is not None else None
     if record.suspended is not None:
         if not record.gpus:
             return record.suspended
@@ -100,9 +95,10 @@ def suspension(record: SandboxRecord, definition: str, at: str) -> Suspension:
             buses=record.suspended.buses,
             firmware=record.suspended.firmware,
             guest=record.suspended.guest,
+            partition_size=size,
         )
     buses, firmware = hotplug.placed(definition, [gpu.bdf for gpu in record.gpus])
-    return Suspension(at=at, gpus=record.gpus, buses=buses, firmware=firmware)
+    return Suspension(at=at, gpus=record.gpus, buses=buses, firmware=firmware, partition_size=size)
 
 
 def guest_runner(run: GuestRun, record: SandboxRecord, files: SandboxFiles) -> GuestRun:

@@ -29,9 +29,11 @@ never removed here (only destroy removes it).
 Also under the lock: a settled reservation whose domain is gone (removed by something else
 than vmsandbox) is dropped; a sandbox made before reservations existed gets one; tombstones of
 domains no longer listed are forgotten. Last, the fabric ledger: a Fabric Manager partition
-leased to a UUID that is neither a domain nor a reservation is deactivated, decided from the
-ledger and the reservations read in one hold of the lock (a create reserves before it
-leases), and deactivated after it (gpu/fabric/lease.py). Fabric Manager unreachable is a
+leased to a UUID that is neither a domain nor a reservation, or to a sandbox whose settled
+reservation does not name it (a suspended sandbox, or one settled with none of its GPUs in
+the guest), is deactivated, decided from the ledger and the reservations read in one hold of
+the lock (a create or resume reserves before it leases, a suspend forgets the partition only
+after its lease), and deactivated after it (gpu/fabric/lease.py). Fabric Manager unreachable is a
 problem reported, not an error: the leases stay for the next reconcile. Then the GPUs'
 custody (sandbox/custody.py): GPUs released above or left sanitizing are sanitized, and GPUs
 of sandboxes gone another way are released and sanitized.
@@ -217,7 +219,9 @@ def _backfill(config: Config, record: SandboxRecord, stored: Stored) -> Hold:
 
 
 def _fabric(config: Config, view: HostView, lock: Lock, report: Report) -> None:
-    """Deactivate partitions leased to a UUID that is neither a domain nor a reservation."""
+    """Deactivate partitions leased to a UUID that is neither a domain nor a reservation, or
+    to a sandbox whose settled reservation names another partition or none (suspended, or
+    settled with none of the partition's GPUs in its guest)."""
     fabric = FabricLease(config)
     # Reservations and ledger read in one hold (fresh: the view still lists the domains taken
     # apart above, tombstones say which): a lease the reservations do not explain is not one
@@ -228,7 +232,8 @@ def _fabric(config: Config, view: HostView, lock: Lock, report: Report) -> None:
         live = ({stored.uuid for stored in view.domains} - gone) | set(reserved)
         names = {s.domain.removeprefix(DOMAIN_PREFIX) for s in view.domains}
         names |= {hold.stem for hold in reserved.values()}
-        orphans = fabric.orphans(live, names)
+        settled = {uuid: hold.partition for uuid, hold in reserved.items() if hold.owner is None}
+        orphans = fabric.orphans(live, names, settled)
     report.problems += fabric.release_orphans(orphans)
 
 

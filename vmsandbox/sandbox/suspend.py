@@ -10,8 +10,11 @@ A suspend runs, each transition under the host lock and the slow work outside it
    with what a resume needs (suspension.py: its GPUs by model and guest slot);
 2. GPU sandboxes: the guest lets its GPUs go (guest/quiesce.py: CUDA processes checkpointed,
    the driver unloaded; processes that still hold a GPU make it FAILED_PRECONDITION naming
-   them, unless ``force`` ends them); the GPUs are detached (handover.py) and, under the lock,
-   released as a destroy releases them (teardown.release_gpus), then sanitized;
+   them, unless ``force`` ends them); the GPUs are detached (handover.py); in shared NVSwitch
+   mode their Fabric Manager partition is then deactivated and its lease forgotten (fmpm,
+   outside the lock: the guest no longer has its GPUs); under the lock the GPUs are released
+   as a destroy releases them (teardown.release_gpus) and the hold and the record stop naming
+   the partition (the suspension keeps its size); then the GPUs are sanitized;
 3. the memory saved (``Hypervisor.save``), once the guest's control
    channel is served (``wait_for_control``: a sandbox suspended right after its create may
    still be starting the program that serves it, and its resume would wait for a wake the
@@ -22,6 +25,14 @@ A suspend that fails is settled at once (``settle``): a guest that still runs go
 ready (its GPUs are those it still holds; a quiesce that failed restored what it checkpointed),
 one whose memory was saved is suspended. Reconcile settles those whose process was killed the
 same way, and never takes a suspended sandbox or its save apart.
+
+The partition's lease is the last thing to go and the first to come: it is deactivated only
+once no GPU of it is in the guest, and its hold keeps naming it until then, so a lease is never
+an orphan while its GPUs may be in a guest. A settled sandbox whose guest holds none of its
+GPUs names no partition (``settle``); a lease left for it (FM unreachable, a process killed
+between the deactivation and the commit, a resume that failed after its activation) is then
+one its hold does not explain, which ``recover`` deactivates at once and reconcile's fabric
+pass otherwise. Its GPUs wait, sanitizing, until that lease is gone.
 """
 
 from __future__ import annotations
@@ -32,8 +43,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from vmsandbox.config import Config
-from vmsandbox.errors import FailedPrecondition, ResourceExhausted
+from vmsandbox.errors import FailedPrecondition, ResourceExhausted, VmSandboxError
 from vmsandbox.gpu.custody.work import release
+from vmsandbox.gpu.fabric.lease import FabricLease
 from vmsandbox.guest import ssh
 from vmsandbox.progress import Progress
 from vmsandbox.sandbox import handover
@@ -179,10 +191,11 @@ def _save(
             kept = replace(record.suspended, guest=report)
             found = store.commit(found, lambda now: replace(now, suspended=kept))
         handover.detach(hypervisor, record.domain, found.uuid, kept, record.gpus, progress)
+        deactivated = _deactivate(config, found.uuid, record, progress)
         released = tuple(bdf for gpu in record.gpus for bdf in (gpu.bdf, *gpu.companions))
         with lock():
-            _release(config, found.uuid, owner, record.name)
-            found = store.commit(found, lambda now: replace(now, gpus=()))
+            _release(config, found.uuid, owner, record.name, deactivated)
+            found = store.commit(found, lambda now: replace(now, gpus=(), fabric_partition=None))
         for line in sanitize_released(config, lock, released):
             progress(line)
     wait_for_control(hypervisor, record.domain, found.uuid, record.name, progress)
@@ -219,13 +232,34 @@ def wait_for_control(
         time.sleep(CONTROL_POLL_S)
 
 
-def _release(config: Config, uuid: str, owner: Ownership, name: str) -> None:
-    """Under the lock: the hold (still this call's) lets its GPUs go."""
+def _deactivate(config: Config, uuid: str, record: SandboxRecord, progress: Progress) -> bool:
+    """Shared NVSwitch mode, once the GPUs are out of the guest: the sandbox's partition
+    deactivated and its lease forgotten, outside the lock (fmpm is slow); whether that is
+    done (True without a partition). When Fabric Manager cannot do it the suspend goes on:
+    the lease stays, no longer explained by the hold once it is settled, for reconcile to
+    deactivate, and the GPUs wait for it, sanitizing."""
+    partition = record.fabric_partition
+    if partition is None:
+        return True
+    progress(f"deactivating Fabric Manager partition {partition}")
+    try:
+        FabricLease(config).release(uuid, record.name)
+    except VmSandboxError as exc:
+        progress(
+            f"Fabric Manager partition {partition} stays active for now ({exc.message}); "
+            "reconcile deactivates it, and its GPUs are sanitized once it has"
+        )
+        return False
+    return True
+
+
+def _release(config: Config, uuid: str, owner: Ownership, name: str, deactivated: bool) -> None:
+    """Under the lock: the hold (still this call's) lets its GPUs and its partition go."""
     holds = Holds(config)
     hold = holds.get(uuid)
     if hold is None or not hold.owned_by(owner.identity):
         raise FailedPrecondition(f"sandbox {uuid} was taken over while it was being suspended")
-    release_gpus(holds, hold, f"sandbox {name} ({uuid}) suspended")
+    release_gpus(holds, hold, f"sandbox {name} ({uuid}) suspended", deactivated=deactivated)
 
 
 def _state_now(store: SandboxStore, found: Found) -> str:
@@ -237,17 +271,35 @@ def recover(
     hypervisor: Hypervisor, config: Config, lock: Lock, uuid: str, owner: Ownership
 ) -> None:
     """After a suspend or resume of ``owner`` failed: the sandbox settled (``settle``), under
-    the lock, and the GPUs that lets go sanitized once the lock is let go. What fails here
-    is left for reconcile (the hold stays this call's, whose process is about to end)."""
+    the lock; then, outside it, the partitions leased to it that its settled hold no longer
+    names deactivated (``stale_leases``: its guest holds none of their GPUs), and the GPUs
+    the settle let go sanitized. What fails here is left for reconcile (the hold stays this
+    call's, whose process is about to end; a lease stays in the ledger)."""
     released: tuple[str, ...] = ()
+    stale: list[int] = []
     with contextlib.suppress(Exception), lock():
         before = Holds(config).get(uuid)
         settle(hypervisor, config, uuid, owner=owner)
         after = Holds(config).get(uuid)
         kept = set(after.gpus) if after is not None else set()
         released = tuple(bdf for bdf in (before.gpus if before else ()) if bdf not in kept)
+        stale = stale_leases(config, uuid)
+    with contextlib.suppress(Exception):
+        FabricLease(config).release_orphans(stale)
     with contextlib.suppress(Exception):
         sanitize_released(config, lock, released)
+
+
+def stale_leases(config: Config, uuid: str) -> list[int]:
+    """Under the lock: the partitions leased to sandbox ``uuid`` that its settled hold does
+    not name (none while a call is at work on it). Deactivating them outside the lock is
+    safe: a leased partition counts as taken for every allocation, so none of them can be
+    reserved again before its lease is gone."""
+    hold = Holds(config).get(uuid)
+    if hold is None or hold.owner is not None:
+        return []
+    leased = [lease.partition for lease in FabricLease(config).leases() if lease.uuid == uuid]
+    return [partition for partition in leased if partition != hold.partition]
 
 
 def settle(
@@ -257,10 +309,11 @@ def settle(
     in SAVES, owned by ``owner`` or, without one, by a process that is gone) brought to a
     clear state, which is returned (None: nothing to settle):
 
-    - its memory saved and the guest off: ``suspended``, no GPU held (any a resume reserved
-      or attached are let go: the saved guest holds none);
-    - its guest running: ``ready`` with the GPUs it holds now (those the guest still has);
-      the suspension forgotten;
+    - its memory saved and the guest off: ``suspended``, no GPU and no Fabric Manager
+      partition held (any a resume reserved or attached are let go: the saved guest holds
+      none);
+    - its guest running: ``ready`` with the GPUs it holds now (those the guest still has),
+      and its partition only while the guest has one of them; the suspension forgotten;
     - neither: the guest is off without a save (it crashed): stored ``ready``, shown
       stopped, its GPUs kept as a stopped sandbox keeps them.
     """
@@ -286,10 +339,10 @@ def settle(
             kept = replace(kept, gpus=record.gpus)
         if kept is not None:
             kept = replace(kept, save_bytes=size)
-        if hold.gpus:
-            hold = release_gpus(holds, hold, f"sandbox {hold.name} ({uuid}) saved, GPUs let go")
+        hold = release_gpus(holds, hold, f"sandbox {hold.name} ({uuid}) saved, GPUs let go")
         holds.put(replace(hold, owner=None, doing="", saved_bytes=size))
-        store.put(replace(record, gpus=(), suspended=kept), STATE_SUSPENDED, uuid)
+        left = replace(record, gpus=(), fabric_partition=None, suspended=kept)
+        store.put(left, STATE_SUSPENDED, uuid)
         return STATE_SUSPENDED
     attached = handover.attached(hypervisor, hold.domain)
     gpus = tuple(gpu for gpu in record.gpus if gpu.bdf in attached)
@@ -297,6 +350,9 @@ def settle(
     dropped = [bdf for bdf in hold.gpus if bdf not in attached]
     if dropped:  # reserved by a resume and never attached, or already out of the guest
         release(config, dropped, f"sandbox {hold.name} ({uuid}) runs without them", hold.partition)
-    holds.put(replace(hold, gpus=held, owner=None, doing="", saved_bytes=0))
-    store.put(replace(record, gpus=gpus, suspended=None, starter=None), STATE_READY, uuid)
+    partition = hold.partition if held else None  # its lease: kept while the guest has a GPU
+    holds.put(replace(hold, gpus=held, partition=partition, owner=None, doing="", saved_bytes=0))
+    fabric = record.fabric_partition if gpus else None
+    ready = replace(record, gpus=gpus, fabric_partition=fabric, suspended=None, starter=None)
+    store.put(ready, STATE_READY, uuid)
     return STATE_READY

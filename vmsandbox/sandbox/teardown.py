@@ -199,17 +199,19 @@ def finish(remains: Remains, lock: Lock, *, fabric_too: bool = True) -> None:
         )
 
 
-def release_gpus(holds: Holds, hold: Hold, cause: str) -> Hold:
-    """Under the lock: ``hold`` keeps its sandbox (name, port, owner) but lets its GPUs and
-    their companions go (a suspend, or a resume that did not keep the GPUs it reserved): the
-    same release ``Holds.drop`` makes for a destroy, each GPU ``sanitizing`` in its custody
-    before the hold stops naming it (``cause`` says why), so that no GPU is free before it
-    is reset and cleared. The hold's Fabric Manager partition stays leased to the sandbox.
-    Returns the hold as written; the caller hands ``hold.gpus`` to ``sanitize_released``
-    once the lock is let go."""
+def release_gpus(holds: Holds, hold: Hold, cause: str, *, deactivated: bool = False) -> Hold:
+    """Under the lock: ``hold`` keeps its sandbox (name, port, owner) but lets its GPUs, their
+    companions and the Fabric Manager partition that joined them go (a suspend, or a resume
+    that did not keep the GPUs it reserved): the same release ``Holds.drop`` makes for a
+    destroy, each GPU ``sanitizing`` in its custody before the hold stops naming it (``cause``
+    says why), so that no GPU is free before it is reset and cleared. Unless the partition is
+    ``deactivated`` already, each GPU waits for it (custody resets it once its lease is gone;
+    a lease its sandbox's settled hold no longer names is deactivated by the caller's
+    recovery or by reconcile). Returns the hold as written; the caller hands ``hold.gpus``
+    to ``sanitize_released`` once the lock is let go."""
     if hold.gpus:
-        release(holds.config, hold.gpus, cause, hold.partition)
-    return holds.put(replace(hold, gpus=()))
+        release(holds.config, hold.gpus, cause, None if deactivated else hold.partition)
+    return holds.put(replace(hold, gpus=(), partition=None))
 
 
 def sanitize_released(config: Config, lock: Lock, gpus: tuple[str, ...]) -> list[str]:

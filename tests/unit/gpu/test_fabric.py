@@ -484,3 +484,21 @@ def test_leases_written_before_uuids_are_matched_by_name(fm: Path, tmp_path: Pat
     assert lease.orphans(set(), {"train"}) == [] and len(lease.leases()) == 1
     assert lease.orphans(set(), set()) == [1]
     assert lease.release_orphans([1]) == [] and lease.leases() == []
+
+
+def test_a_lease_its_settled_reservation_does_not_name_is_an_orphan(
+    fm: Path, tmp_path: Path
+) -> None:
+    """A suspended sandbox names no partition: a lease left for it (FM was down at its
+    suspend) is an orphan, while the lease of the partition a reservation names is not."""
+    config = Config.load(
+        "/nonexistent", state_dir=str(tmp_path / "state"), fmpm=str(FAKE_FMPM), fm_version=DRIVER
+    )
+    lease = FabricLease(config)
+    lease.activate(4, "uuid-box", "box", image="nvidia", image_driver=DRIVER)
+    lease.activate(3, "uuid-train", "train", image="nvidia", image_driver=DRIVER)
+    live = {"uuid-box", "uuid-train"}
+    assert lease.orphans(live, (), {"uuid-box": 4, "uuid-train": 3}) == []
+    assert lease.orphans(live, (), {"uuid-train": 3}) == []  # box at work: not judged
+    assert lease.orphans(live, (), {"uuid-box": None, "uuid-train": 3}) == [4]
+    assert lease.orphans(live, (), {"uuid-box": 5, "uuid-train": 3}) == [4]

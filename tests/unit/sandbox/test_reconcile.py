@@ -152,7 +152,11 @@ def test_a_lease_written_while_reconcile_looks_is_never_taken_for_an_orphan(
     reconcile's read of the reservations and its read of the ledger: the partition stays
     active and leased, under the guest about to start on it."""
     unit = manager.create(spec("unit"), wait=False)
-    write_lease(config, 1, unit.uuid, "unit")  # a fabric on this host: the fabric pass runs
+    with manager.locked():  # a fabric on this host (the fabric pass runs): unit on partition 1
+        hold = Holds(config).get(unit.uuid)
+        assert hold is not None
+        Holds(config).put(replace(hold, partition=1))
+    write_lease(config, 1, unit.uuid, "unit")
     creator = Ownership(owners_folder(config))
 
     def create_leases_partition_4() -> None:

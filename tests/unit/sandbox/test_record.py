@@ -153,8 +153,8 @@ def test_a_version_9_record_has_no_lifetime_and_an_expiry_round_trips() -> None:
 
 def test_a_version_10_record_is_not_suspended_and_a_suspension_round_trips() -> None:
     """Version 11 adds ``suspended``: the GPUs a suspended sandbox takes again (by model and
-    count), their guest buses, what the guest quiesced and the size of the saved memory. A
-    version 10 record reads as never suspended."""
+    count), their guest buses, what the guest quiesced, the size of the saved memory and of
+    the Fabric Manager partition it gave back. A version 10 record reads as never suspended."""
     old = SandboxRecord.from_dict({**VERSION_1, "version": 10, "expires_at": None})
     assert old.suspended is None and old.to_dict()["suspended"] is None
     gpu = GpuRecord("0000:41:00.0", "nvidia", "0x10de", "0x2330", name="NVIDIA H100")
@@ -167,6 +167,7 @@ def test_a_version_10_record_is_not_suspended_and_a_suspension_round_trips() -> 
             firmware="uefi",
             guest={"checkpointed": [412], "unloaded": ["nvidia"]},
             save_bytes=123 << 20,
+            partition_size=1,
         ),
     )
     assert SandboxRecord.from_dict(suspended.to_dict()) == suspended

@@ -2,27 +2,23 @@
 in-memory hypervisor, whose managed save refuses a guest holding a host device as libvirt does,
 the HGX fake host's GPUs as umockdev discovery sees them (made AMD cards, so the verification
 is the PCI check), and a fake guest that answers the GPU hand-over program, the wait for the
-GPUs below their ports and lspci. A GPU is never held by two sandboxes; a resume without free
-GPUs of the model leaves the sandbox suspended."""
+GPUs below their ports and lspci (framework/gpu_guests.py). A GPU is never held by two
+sandboxes; a resume without free GPUs of the model leaves the sandbox suspended."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from framework.fake_hypervisor import FakeHypervisor
-from framework.inventories import discover_hosts
-from lxml import etree
+from framework.gpu_guests import BoardManager, FakeGuest, amd_board, buses, held_by, record
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, ResourceExhausted
-from vmsandbox.gpu import hotplug
 from vmsandbox.gpu.custody.store import CustodyStore
 from vmsandbox.gpu.request import GpuRequest
-from vmsandbox.guest.ssh import Endpoint, ExecResult
 from vmsandbox.host.model import Inventory
 from vmsandbox.sandbox import boot
 from vmsandbox.sandbox.holds import Holds
@@ -32,77 +28,9 @@ from vmsandbox.sandbox.spec import SandboxSpec
 
 
 @pytest.fixture(scope="module")
-def board(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
+def board(hgx: Inventory) -> Inventory:
     """The HGX fake host's eight GPUs as AMD cards, without its NVSwitches."""
-    case = {"use_nvml": False, "proc_root": str(tmp_path_factory.mktemp("proc"))}
-    hgx = discover_hosts({"hgx": ("hgx_h100", case)})["hgx"]
-    amd = tuple(
-        replace(gpu, vendor="amd", vendor_id="0x1002", device_id="0x74a1", name="MI300X")
-        for gpu in hgx.gpus
-    )
-    return replace(hgx, gpus=amd, fabric=())
-
-
-class BoardManager(SandboxManager):
-    """A manager whose host GPUs are ``board``'s, held as the fake hypervisor's domains say."""
-
-    board: Inventory
-
-    def gpus(self, in_use: Mapping[str, str] | None = None) -> Inventory:
-        holders = self.hypervisor.hostdev_holders() if in_use is None else in_use
-        gpus = tuple(replace(gpu, in_use_by=holders.get(gpu.bdf)) for gpu in self.board.gpus)
-        return replace(self.board, gpus=gpus)
-
-
-@dataclass
-class FakeGuest:
-    """Answers as the guest of the domain holding the SSH port: the hand-over program (with
-    ``holders``, processes that hold a GPU: exit 3 unless forced), the GPUs it sees below its
-    root ports, lspci."""
-
-    hv: FakeHypervisor
-    board: Inventory
-    holders: dict[str, str] = field(default_factory=dict)
-    commands: list[str] = field(default_factory=list)
-
-    def __call__(
-        self, endpoint: Endpoint, _keys: object, command: str, **_kwargs: Any
-    ) -> ExecResult:
-        self.commands.append(command)
-        if "python3 - quiesce" in command:
-            if self.holders and "--force" not in command:
-                return ExecResult(3, json.dumps({"held": self.holders}) + "\n", "")
-            ended = list(self.holders) if "--force" in command else []
-            return ExecResult(0, json.dumps({"ended": ended, "unloaded": ["amdgpu"]}) + "\n", "")
-        if "python3 - revive" in command:
-            return ExecResult(0, json.dumps({"loaded": ["amdgpu"], "restored": []}) + "\n", "")
-        seen = list(self._seen(endpoint))
-        if command.startswith("for port in"):
-            return ExecResult(0, "".join(f"{port} {v} {d}\n" for port, v, d in seen), "")
-        if command == "lspci -Dnn":
-            lines = [
-                f"0000:{n + 1:02x}:00.0 Display controller [0380]: AMD [{v[2:]}:{d[2:]}]"
-                for n, (_port, v, d) in enumerate(seen)
-            ]
-            return ExecResult(0, "\n".join(lines) + "\n", "")
-        return ExecResult(0, "", "")
-
-    def _seen(self, endpoint: Endpoint) -> Iterator[tuple[str, str, str]]:
-        """(root port's guest address, vendor id, device id) of each GPU the guest holds."""
-        dom = next(
-            d for d in self.hv.domains.values() if d.data and d.data["ssh"]["port"] == endpoint.port
-        )
-        if not dom.running:
-            return
-        ids = {gpu.bdf: (gpu.vendor_id, gpu.device_id) for gpu in self.board.gpus}
-        for hostdev in etree.fromstring(dom.xml.encode()).iterfind("devices/hostdev"):
-            source = hostdev.find("source/address").attrib
-            domain, bus, slot = (source[key][2:] for key in ("domain", "bus", "slot"))
-            bdf = f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(slot, 16):02x}.0"
-            bus = int(hostdev.find("address").get("bus"), 16)
-            port = hotplug.port_of(dom.xml, bus) or f"bus {bus}"  # libvirt places the port
-            if bdf in ids:
-                yield port, *ids[bdf]
+    return amd_board(hgx)
 
 
 @pytest.fixture
@@ -131,22 +59,6 @@ def gpu_box(manager: SandboxManager, name: str = "box", count: int = 1) -> Sandb
     )
     manager.create(spec, wait=False)
     return record(manager.hypervisor, name)  # type: ignore[arg-type]
-
-
-def record(hv: FakeHypervisor, name: str = "box") -> SandboxRecord:
-    return SandboxRecord.from_dict(hv.domains[f"vmsbx-{name}"].data or {})
-
-
-def buses(hv: FakeHypervisor, name: str = "box") -> list[int]:
-    root = etree.fromstring(hv.domains[f"vmsbx-{name}"].xml.encode())
-    return [int(h.find("address").get("bus"), 16) for h in root.iterfind("devices/hostdev")]
-
-
-def held_by(config: Config, hv: FakeHypervisor, name: str = "box") -> set[str]:
-    """Every GPU function the sandbox holds: in its hold and in its domain."""
-    uuid = hv.domains[f"vmsbx-{name}"].uuid
-    hold = Holds(config).all()[uuid]
-    return set(hold.gpus) | {b for b, d in hv.hostdev_holders().items() if d == f"vmsbx-{name}"}
 
 
 def test_a_suspend_lets_the_gpus_go_in_the_guest_detaches_and_releases_them(
@@ -179,27 +91,16 @@ def test_processes_that_hold_a_gpu_refuse_the_suspend_unless_forced(
     assert manager.suspend("box", force=True).state == "suspended"
 
 
-@pytest.mark.parametrize(
-    ("fabric", "words"),
-    [
-        ({"fabric_partition": 4}, "its GPUs are joined by Fabric Manager partition 4"),
-        ({"switches": ["0000:05:00.0"]}, "NVSwitches 0000:05:00.0 are passed to it"),
-    ],
-)
-def test_a_sandbox_on_an_nvswitch_board_is_refused_before_anything_is_touched(
-    manager: SandboxManager,
-    hv: FakeHypervisor,
-    config: Config,
-    guest: FakeGuest,
-    fabric: dict[str, object],
-    words: str,
+def test_a_sandbox_with_nvswitches_is_refused_before_anything_is_touched(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config, guest: FakeGuest
 ) -> None:
-    """Its GPUs could not be reset while the partition stays active (or its switches not
-    detached): the suspend says so, and the guest, its GPUs and its hold stay as they were."""
+    """Full passthrough: the NVSwitches passed along cannot leave a running guest. The suspend
+    says so, and the guest, its GPUs and its hold stay as they were."""
     made = gpu_box(manager)
     dom = hv.domains["vmsbx-box"]
-    dom.data = {**(dom.data or {}), **fabric}
+    dom.data = {**(dom.data or {}), "switches": ["0000:05:00.0"]}
     before = manager.get("box").state
+    words = r"NVSwitches 0000:05:00.0 are passed to it \(full passthrough\)"
     with pytest.raises(FailedPrecondition, match=f"cannot be suspended: {words}") as caught:
         manager.suspend("box")
     assert caught.value.details["name"] == "box"

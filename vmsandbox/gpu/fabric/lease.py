@@ -9,9 +9,12 @@ at any point leaves either nothing or an entry. It is removed only when the part
 inactive: after a deactivation, or when FM refused the activation; an fmpm that timed out or
 could not be reached may have activated it, so the entry stays and the release (or reconcile)
 deactivates it. Reconcile deactivates every entry whose UUID belongs to no domain and to no
-reservation in flight (``vmsandbox.sandbox.holds``), deciding which from the ledger and the
-reservations read in one hold of the host lock (``orphans``): a create writes its reservation
-before its lease, so a lease that the reservations do not explain is never one written since.
+reservation in flight (``vmsandbox.sandbox.holds``), and every entry of a sandbox whose
+settled reservation names another partition or none (a suspended sandbox gave its partition
+back: the entry is one its suspend could not deactivate), deciding which from the ledger and
+the reservations read in one hold of the host lock (``orphans``): a create or a resume writes
+its reservation before its lease, and a suspend forgets the partition in its reservation only
+after its lease, so a lease that the reservations do not explain is never one in use.
 An entry counts as taken for the allocation until it is removed (``vmsandbox.sandbox.reserve``),
 so the partition of an orphan is not handed to a new sandbox while reconcile deactivates it.
 The domain's record carries the partition id too (``fabric_partition``), for the user to see.
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -102,16 +105,24 @@ class FabricLease:
         has none. UNAVAILABLE when FM cannot be reached: the entries stay, for reconcile."""
         self._release(lease.partition for lease in self.leases() if _names(lease, uuid, sandbox))
 
-    def orphans(self, live: Iterable[str], live_names: Iterable[str] = ()) -> list[int]:
+    def orphans(
+        self,
+        live: Iterable[str],
+        live_names: Iterable[str] = (),
+        settled: Mapping[str, int | None] | None = None,
+    ) -> list[int]:
         """The partitions of leases whose UUID is not in ``live`` (the UUIDs of every domain
         and every reservation; entries from before UUIDs: whose name is not in
-        ``live_names``). ``live`` must be read in the same hold of the host lock as this (see
-        the module docstring)."""
-        alive, named = set(live), set(live_names)
+        ``live_names``), and of leases whose UUID has a settled reservation that names another
+        partition or none (``settled``: UUID -> its partition; a suspended sandbox, or one
+        whose guest holds none of the partition's GPUs any more). ``live`` and ``settled``
+        must be read in the same hold of the host lock as this (see the module docstring)."""
+        alive, named, kept = set(live), set(live_names), dict(settled or {})
         return [
             lease.partition
             for lease in self.leases()
             if (lease.uuid not in alive if lease.uuid else lease.sandbox not in named)
+            or (lease.uuid in kept and kept[lease.uuid] != lease.partition)
         ]
 
     def release_orphans(self, orphans: Iterable[int]) -> list[str]:
