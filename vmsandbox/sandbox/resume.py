@@ -194,14 +194,19 @@ def _reserve(
     their custody (reset and cleared since their last tenant), in the old GPUs' slot order;
     in shared NVSwitch mode with the id of the partition they make up. RESOURCE_EXHAUSTED
     when too few are."""
+    from vmsandbox.gpu.custody.state import FREE, with_custody
     from vmsandbox.host.model import with_holders
 
     assert view.inventory is not None
     now = reserve.taken(view, holds)
     if view.fabric is not None and view.fabric.table is not None:
         return _partition(config, record, held, view, now)
-    inventory = with_holders(view.inventory, now.holders)
-    free = [GpuRecord.of(gpu) for gpu in inventory.gpus if gpu.bindable and gpu.in_use_by is None]
+    inventory = with_custody(with_holders(view.inventory, now.holders), now.custody)
+    free = [
+        GpuRecord.of(gpu)
+        for gpu in inventory.gpus
+        if gpu.bindable and gpu.in_use_by is None and gpu.custody == FREE
+    ]
     chosen = matching(held, free)
     if chosen is None:
         models = _models(held)

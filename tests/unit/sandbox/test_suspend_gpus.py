@@ -142,6 +142,22 @@ def test_a_resume_without_free_gpus_of_the_model_stays_suspended(
     assert manager.resume("box").state == "ready"
 
 
+def test_a_resume_never_takes_a_gpu_that_is_not_free_in_its_custody(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config
+) -> None:
+    """A quarantined GPU (as one sanitizing or being reset) is held by nobody, yet not free."""
+    gpu_box(manager)
+    manager.suspend("box")
+    rest = gpu_box(manager, "rest", count=7)
+    (left,) = [g.bdf for g in BoardManager.board.gpus if g.bdf not in {x.bdf for x in rest.gpus}]
+    custody = CustodyStore(config)
+    with manager.locked():
+        custody.put(custody.get(left).moved("quarantined", reason="AER fatal"), "test")
+    with pytest.raises(ResourceExhausted, match="stays suspended"):
+        manager.resume("box")
+    assert manager.get("box").state == "suspended" and held_by(config, hv) == set()
+
+
 def test_a_failed_attach_leaves_it_suspended_with_no_gpu_held(
     manager: SandboxManager, hv: FakeHypervisor, config: Config
 ) -> None:
