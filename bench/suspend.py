@@ -24,7 +24,8 @@ Python API (not timed), and:
     parked_rss_mib   the resident memory of the parked guest's QEMU process (0 MiB when there
                      is none)
     parked_claim_s   a claim of it timed as users time it: the ``vmsandbox create --no-refill``
-                     process, start to exit (restore, wake, claim, and the CLI's own start)
+                     process, start to exit (restore, wake, claim, and the CLI's own start,
+                     from the package's compiled bytecode as an installed package runs)
 
 Last, on the nested GPU host with two cards of one model (``setup/nested.sh`` with
 ``VMSANDBOX_NESTED_CARDS=twin``, its own L1 folder /var/tmp/vmsandbox-suspend-nested): a 1-card
@@ -145,6 +146,9 @@ def parked(folder: Path, state: Path) -> dict[str, float]:
     env = {**common.vmsandbox_env(state), "VMSANDBOX_CONFIG": str(file)}
     name = common.name("suspend", "p")
     argv = [sys.executable, "-m", "vmsandbox.cli", "create", name, "--image", common.IMAGE]
+    # As an installed package has it (pip compiles it): the command runs from bytecode, not
+    # compiling its modules on every start (a checkout with PYTHONDONTWRITEBYTECODE set would).
+    common.run([sys.executable, "-m", "compileall", "-q", str(common.REPO / "vmsandbox")])
     with SandboxManager(Config.load(file)) as manager:
         try:
             (guest,) = manager.pool.fill()

@@ -52,17 +52,24 @@ def claim(path: Path, name: str, *, guest: str, timeout: float | None = None) ->
     return True
 
 
-def wake(path: Path, *, guest: str, timeout: float | None = None) -> bool:
+def wake(path: Path, *, guest: str, timeout: float | None = None, claim: str = "") -> bool:
     """Tell the resumed guest behind ``path`` the time (this host's clock, in nanoseconds)
     and hand it SEED_BYTES fresh random bytes to reseed from; it answers once its sshd is
-    checked. True when it did; False when the guest does not know the request (an older
-    build: the caller does it over SSH). FAILED_PRECONDITION when the guest refuses (its
-    answer named), DEADLINE_EXCEEDED when it does not answer in time."""
+    checked. With ``claim`` (a parked pooled guest's claim), ``claim NAME`` follows on the
+    same connection, one exchange instead of two. True when it did; False when the guest
+    does not know ``wake`` (an older build: the caller does it over SSH, and sets the
+    hostname itself). FAILED_PRECONDITION when the guest refuses either (its answer named),
+    DEADLINE_EXCEEDED when it does not answer in time."""
     seed = os.urandom(SEED_BYTES).hex()
-    line = f"wake {time.time_ns()} {seed}"
-    text = _exchange(path, line, guest=guest, timeout=timeout)
+    lines = [f"wake {time.time_ns()} {seed}"]
+    if claim:
+        validate_name(claim)
+        lines.append(f"claim {claim}")
+    text, *claimed = _exchange_all(path, lines, guest=guest, timeout=timeout)
     if text.startswith(UNKNOWN_WAKE):
         return False
+    for answer in claimed:
+        _check(answer, claim, guest, path)
     if text != "ok":
         raise FailedPrecondition(
             f"guest {guest!r} refused to take the time and a new seed after its resume: "
@@ -97,6 +104,12 @@ def _request(path: Path, verb: str, name: str, *, guest: str, timeout: float | N
 
 def _exchange(path: Path, line: str, *, guest: str, timeout: float | None) -> str:
     """The guest's answer to request ``line``, stripped."""
+    return _exchange_all(path, [line], guest=guest, timeout=timeout)[0]
+
+
+def _exchange_all(path: Path, lines: list[str], *, guest: str, timeout: float | None) -> list[str]:
+    """The guest's answers to requests ``lines``, sent on one connection, stripped (an
+    answer missing when the channel closed early is "")."""
     timeout = TIMEOUT_S if timeout is None else timeout
     details = {"guest": guest, "socket": str(path)}
     try:
@@ -116,11 +129,11 @@ def _exchange(path: Path, line: str, *, guest: str, timeout: float | None) -> st
         try:
             sock.settimeout(timeout)
             sock.connect(str(path))
-            sock.sendall(f"{line}\n".encode())
-            answer = b""
-            while not answer.endswith(b"\n") and len(answer) < ANSWER_MAX:
+            sock.sendall("".join(f"{line}\n" for line in lines).encode())
+            answer, most = b"", ANSWER_MAX * len(lines)
+            while answer.count(b"\n") < len(lines) and len(answer) < most:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
-                chunk = sock.recv(ANSWER_MAX - len(answer))
+                chunk = sock.recv(most - len(answer))
                 if not chunk:
                     break
                 answer += chunk
@@ -134,4 +147,5 @@ def _exchange(path: Path, line: str, *, guest: str, timeout: float | None) -> st
                 f"the control channel of guest {guest!r} failed: {exc.strerror or exc}",
                 details=details,
             ) from exc
-    return answer.decode("ascii", errors="replace").strip()
+    answers = [line.strip() for line in answer.decode("ascii", errors="replace").split("\n")]
+    return (answers + [""] * len(lines))[: len(lines)]

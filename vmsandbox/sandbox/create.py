@@ -130,6 +130,7 @@ class Creation(Remains):
     planned: plan.SandboxPlan | None = None
     endpoint: Endpoint | None = None
     boot_seconds: float | None = None
+    hostname_set: bool = False  # a parked guest's claim: its wake set the hostname (park.py)
     # The warm pool: a fill's shape key and image build (its hold counts for the shape's room,
     # ``room`` says under the lock whether there is any), and the spare root ports a GPU-ready
     # shape's guest boots with (gpu/hotplug.py).

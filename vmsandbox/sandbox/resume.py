@@ -34,6 +34,7 @@ import shlex
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import NamedTuple
 
 from vmsandbox.config import Config
 from vmsandbox.errors import (
@@ -177,7 +178,7 @@ def _restore(
     started = time.monotonic()
     hypervisor.start(record.domain, uuid=found.uuid)
     control.restrict(files.control)
-    waited = reach(hypervisor, config, record, found.uuid, guest_run, progress, started)
+    waited = reach(hypervisor, config, record, found.uuid, guest_run, progress, started).seconds
     progress(f"{record.name} answers SSH {waited:.2f} s after the restore, its clock set")
     report = None
     if record.gpus:
@@ -253,11 +254,13 @@ def reach(
     guest_run: handover.GuestRun,
     progress: Progress,
     started: float,
-) -> float:
+    claim: str = "",
+) -> Reached:
     """Wake the restored guest of ``record`` (its clock set, its random number generator
     reseeded) and make sure its sshd answers with the pinned host key; the seconds since
     ``started`` (the restore's start, ``time.monotonic``). A claim of a parked pooled guest
-    (pool/park.py) wakes it the same way.
+    (pool/park.py) wakes it the same way, and with ``claim`` gives it that hostname in the
+    same exchange where the guest serves ``wake`` (``Reached.claimed``).
 
     The guest ran when it was saved, so there is no boot to wait for: a guest that serves the
     control channel's ``wake`` sets its clock and checks that its sshd runs at once, and
@@ -272,30 +275,39 @@ def reach(
         record.ssh.port is not None
         and files.control.exists()
         and hypervisor.channel_state(record.domain, CONTROL_PORT, uuid=uuid) != "disconnected"
-        and _woken(files)
+        and _woken(files, claim)
     ):
         endpoint = ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user)
         ssh.banner(endpoint)
         progress(f"{record.name} woken through its control channel")
-        return round(time.monotonic() - started, 3)
+        return Reached(round(time.monotonic() - started, 3), claimed=bool(claim))
     progress(f"setting the clock of {record.name} over SSH")
     deadline = time.monotonic() + QUICK_S
     while record.ssh.port is not None and time.monotonic() < deadline:
         try:
             _wake_over_ssh(record, files, guest_run)
-            return round(time.monotonic() - started, 3)
+            return Reached(round(time.monotonic() - started, 3))
         except (Unavailable, DeadlineExceeded, EOFError, OSError):
             time.sleep(QUICK_POLL_S)
     _wait(hypervisor, config, record, uuid, progress)
     _wake_over_ssh(record, files, guest_run)
-    return round(time.monotonic() - started, 3)
+    return Reached(round(time.monotonic() - started, 3))
 
 
-def _woken(files: SandboxFiles) -> bool:
-    """Whether the guest took the control channel's ``wake`` within WAKE_S. A guest saved
-    before its channel's server ran may not answer at all: the clock then goes over SSH."""
+class Reached(NamedTuple):
+    """A restored guest reached: seconds since its restore began, and whether the wake gave
+    it the claim's hostname too."""
+
+    seconds: float
+    claimed: bool = False
+
+
+def _woken(files: SandboxFiles, claim: str = "") -> bool:
+    """Whether the guest took the control channel's ``wake`` (and ``claim``) within WAKE_S.
+    A guest saved before its channel's server ran may not answer at all: the clock then goes
+    over SSH."""
     try:
-        return control.wake(files.control, guest=files.name, timeout=WAKE_S)
+        return control.wake(files.control, guest=files.name, timeout=WAKE_S, claim=claim)
     except VmSandboxError:
         return False
 

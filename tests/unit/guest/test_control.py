@@ -14,7 +14,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -142,6 +142,39 @@ def test_the_client_wakes_a_guest_with_this_hosts_time(tmp_path: Path) -> None:
     thread = _one_answer(path, old)
     assert control.wake(path, guest="box") is False
     thread.join()
+
+
+def test_a_parked_claim_wakes_and_claims_in_one_exchange(tmp_path: Path) -> None:
+    """Both requests go on one connection and both answers come back on it; a claim the
+    guest refuses (its sshd died) fails the wake."""
+    path = tmp_path / "control.sock"
+    names: list[str] = []
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def reply(sshd: Callable[[], str | None]) -> None:
+        conn, _ = server.accept()
+        with conn, conn.makefile("rb") as lines:
+            for _ in range(2):
+                line = lines.readline()
+                conn.sendall(answer(line, apply=names.append, sshd=sshd, woken=_woken))
+
+    thread = threading.Thread(target=reply, args=(_running,), daemon=True)
+    thread.start()
+    assert control.wake(path, guest="pool-1", claim="box") is True
+    thread.join()
+    assert names == ["box"]
+    thread = threading.Thread(target=reply, args=(lambda: "sshd is not running",), daemon=True)
+    thread.start()
+    with pytest.raises(FailedPrecondition, match="sshd is not running"):
+        control.wake(path, guest="pool-1", claim="box")
+    thread.join()
+    server.close()
+
+
+def _woken(_clock: int, _seed: bytes) -> None:
+    """A wake that sets nothing (the clock and the seed are the kernel's business)."""
 
 
 def test_a_claim_takes_the_name_only_while_sshd_runs() -> None:

@@ -317,7 +317,7 @@ def _wake_and_banner(
     SandboxFiles.of(config, "box").control.touch()
     woken: list[object] = []
     banners: list[object] = []
-    monkeypatch.setattr(resume, "_woken", lambda files: woken.append(files) or True)
+    monkeypatch.setattr(resume, "_woken", lambda files, _claim="": woken.append(files) or True)
     monkeypatch.setattr(
         resume.ssh, "banner", lambda endpoint: banners.append(endpoint) or "SSH-2.0-x"
     )

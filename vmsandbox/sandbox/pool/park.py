@@ -27,7 +27,6 @@ from vmsandbox.errors import VmSandboxError
 from vmsandbox.guest import control
 from vmsandbox.sandbox import create, resume
 from vmsandbox.sandbox.holds import Holds
-from vmsandbox.sandbox.record import STATE_CREATING
 from vmsandbox.sandbox.suspend import GIB, MIB, saved_total, wait_for_control
 from vmsandbox.vm import netguard
 
@@ -87,14 +86,13 @@ def restore(c: create.Creation) -> None:
         netguard.before_start(c.config)
         c.progress(f"restoring parked guest {c.files.name}")
         c.hypervisor.start(c.domain, uuid=c.uuid)
-        control.restrict(c.files.control)
-        # The live definition is the one saved with the guest: the claim's record again.
-        c.hypervisor.set_metadata(c.domain, c.record.to_dict(), STATE_CREATING, uuid=c.uuid)
-        waited = resume.reach(
-            c.hypervisor, c.config, c.record, c.uuid, c.guest_run, c.progress, started
+        control.restrict(c.files.control)  # the restored guest runs with the claim's record
+        reached = resume.reach(
+            c.hypervisor, c.config, c.record, c.uuid, c.guest_run, c.progress, started, c.name
         )
     except (VmSandboxError, OSError, EOFError) as exc:
         raise RestoreFailed(c.files.name, exc) from exc
     with c.lock():  # restored: libvirt removed the save, which the hold counted until now
         c.holds.put(replace(c.own(), saved_bytes=0))
-    c.progress(f"parked guest {c.files.name} answers SSH {waited:.2f} s after its restore")
+    c.hostname_set = reached.claimed
+    c.progress(f"parked guest {c.files.name} answers SSH {reached.seconds:.2f} s after its restore")

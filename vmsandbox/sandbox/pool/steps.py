@@ -155,6 +155,9 @@ def _hostname(c: create.Creation) -> None:
     assert ssh.port is not None  # pooled guests were waited for: their endpoint is known
     c.endpoint = Endpoint(ssh.host, ssh.port, ssh.user)
     keys = c.files.keys(c.record.host_key_alias)
+    if c.hostname_set:  # a parked guest: its wake took the claim, sshd checked (park.py)
+        c.boot_seconds = 0.0
+        return
     started = time.monotonic()
     if not c.files.control.exists():
         _hostname_over_ssh(c, keys)

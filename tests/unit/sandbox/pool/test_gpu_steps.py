@@ -443,7 +443,7 @@ def test_a_parked_gpu_ready_guest_is_restored_then_given_its_gpus(
     manager.config = manager.pool.config = replace(
         config, pool=tuple(replace(shape, park=True) for shape in config.pool)
     )
-    monkeypatch.setattr(park.resume, "reach", lambda *_args: 0.1)
+    monkeypatch.setattr(park.resume, "reach", lambda *_args: park.resume.Reached(0.1))
     domain = f"vmsbx-{pooled_guest(manager)}"
     assert (hv.domains[domain].state, hv.domains[domain].running) == ("parked", False)
     sandbox = manager.create(gpu_spec(1), refill=False)

@@ -39,9 +39,9 @@ def woken(manager: SandboxManager, monkeypatch: pytest.MonkeyPatch) -> list[str]
     """The restored guests woken (stubbed); hostnames set through a guest_run that succeeds."""
     seen: list[str] = []
 
-    def reach(_hv: Any, _config: Any, record: Any, *_rest: Any) -> float:
+    def reach(_hv: Any, _config: Any, record: Any, *_rest: Any) -> park.resume.Reached:
         seen.append(record.name)
-        return 0.1
+        return park.resume.Reached(0.1)
 
     monkeypatch.setattr(park.resume, "reach", reach)
     manager.pool.guest_run = lambda *_args, **_kw: ExecResult(0, "", "")
@@ -99,6 +99,26 @@ def test_a_claim_restores_a_parked_guest(
     assert (hold.name, hold.saved_bytes, hold.pool) == ("hit", 0, None)
 
 
+def test_a_wake_that_took_the_claim_leaves_the_hostname_step_nothing_to_do(
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guest's wake and claim went in one exchange: no second request, no SSH login."""
+    pooled_guest(manager)
+    claimed: list[str] = []
+
+    def reach(*args: Any) -> park.resume.Reached:
+        claimed.append(args[-1])  # the claim's name, given to the wake
+        return park.resume.Reached(0.1, claimed=True)
+
+    def no_login(*_args: Any, **_kw: Any) -> ExecResult:
+        raise AssertionError("the hostname went over SSH")
+
+    monkeypatch.setattr(park.resume, "reach", reach)
+    manager.pool.guest_run = no_login
+    sandbox = manager.create(HIT)
+    assert (sandbox.state, claimed) == ("ready", ["hit"])
+
+
 def test_a_claimed_guests_save_counts_against_the_limit_until_it_is_restored(
     manager: SandboxManager, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -106,10 +126,10 @@ def test_a_claimed_guests_save_counts_against_the_limit_until_it_is_restored(
     pooled_guest(manager)
     counted: list[int] = []
 
-    def reach(*_args: Any) -> float:
+    def reach(*_args: Any) -> park.resume.Reached:
         (hold,) = Holds(config).all().values()
         counted.append(hold.saved_bytes)
-        return 0.1
+        return park.resume.Reached(0.1)
 
     monkeypatch.setattr(park.resume, "reach", reach)
     manager.pool.guest_run = lambda *_args, **_kw: ExecResult(0, "", "")
