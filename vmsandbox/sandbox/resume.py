@@ -263,13 +263,16 @@ def reach(
     same exchange where the guest serves ``wake`` (``Reached.claimed``).
 
     The guest ran when it was saved, so there is no boot to wait for: a guest that serves the
-    control channel's ``wake`` sets its clock and checks that its sshd runs at once, and
-    sshd's banner on the guest's port shows that it answers there. Its host key was proven
-    when the sandbox was made (as for a pool claim) and every login checks it again: the
-    restored guest is that same guest, memory and disk. Other guests (a channel libvirt says
-    the guest had closed when it was saved, an image without one) get the clock over SSH, the
-    command's own login being the proof that SSH answers; only when that does not answer
-    within QUICK_S is the boot wait, with its diagnostics, run first."""
+    control channel's ``wake`` sets its clock and checks that its sshd runs at once, and sshd's
+    banner on the guest's port shows that it answers there. Its host key was proven when the
+    sandbox was made (as for a pool claim) and every login checks it again: the restored guest
+    is that same guest, memory and disk. A claim that the wake took reads no banner: it stands
+    on the guest's own check that its sshd runs, as the claim of a running pooled guest does
+    (the guest answered SSH with its pinned key when it entered the pool, and its restored QEMU
+    listens on its port, or the restore failed). Other guests (a channel libvirt says the guest
+    had closed when it was saved, an image without one) get the clock over SSH, the command's
+    own login being the proof that SSH answers; only when that does not answer within QUICK_S is
+    the boot wait, with its diagnostics, run first."""
     files = SandboxFiles.of(config, record.stem)
     if (
         record.ssh.port is not None
@@ -277,8 +280,8 @@ def reach(
         and hypervisor.channel_state(record.domain, CONTROL_PORT, uuid=uuid) != "disconnected"
         and _woken(files, claim)
     ):
-        endpoint = ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user)
-        ssh.banner(endpoint)
+        if not claim:
+            ssh.banner(ssh.Endpoint(record.ssh.host, record.ssh.port, record.ssh.user))
         progress(f"{record.name} woken through its control channel")
         return Reached(round(time.monotonic() - started, 3), claimed=bool(claim))
     progress(f"setting the clock of {record.name} over SSH")

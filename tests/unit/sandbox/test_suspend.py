@@ -292,6 +292,18 @@ def test_a_resume_wakes_the_guest_through_its_channel_and_reads_sshd_banner(
     assert not any("date -u -s @" in command for command in commands)
 
 
+def test_a_parked_claim_woken_through_the_channel_reads_no_banner(
+    manager: SandboxManager, hv: FakeHypervisor, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim went with the wake, after the guest checked its sshd, as a running pooled
+    guest's claim does: no sshd banner read on top."""
+    woken, banners = _wake_and_banner(manager, hv, config, monkeypatch)
+    hv.start(DOMAIN)
+    record = manager.store.require("box").record
+    reached = resume.reach(hv, config, record, "", lambda *_a, **_k: None, print, 0.0, "hit")
+    assert reached.claimed and (len(woken), banners) == (1, [])
+
+
 def test_a_resume_of_a_guest_whose_channel_was_closed_sets_the_clock_over_ssh(
     manager: SandboxManager,
     hv: FakeHypervisor,

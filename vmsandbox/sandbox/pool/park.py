@@ -8,8 +8,9 @@ that would pass that limit leaves the guest running (state ``pooled``). The gues
 stored ``parked``.
 
 A claim of a parked guest restores it (``restore``): the memory read back, the guest woken
-as resume.py wakes a sandbox (clock set, entropy reseeded beside the VM generation ID), and
-its sshd proven, before the claim's usual steps (hostname, GPUs) run. A restore that fails
+as resume.py wakes a sandbox (clock set, entropy reseeded beside the VM generation ID) and
+given the claim's hostname in the same exchange once it has checked that its sshd runs, as a
+running pooled guest's claim is, before the claim's other steps (GPUs) run. A restore that fails
 raises ``RestoreFailed`` once the claim's undos have removed the guest: the pool's keeper then
 claims the next guest, or the create boots cold. A claimed guest is never handed out unless
 its restore answered.
@@ -75,9 +76,9 @@ def saved_bytes(c: create.Creation) -> int | None:
 
 def restore(c: create.Creation) -> None:
     """Claim, outside the lock: a parked guest's memory restored and the guest woken (its
-    clock, its entropy), its sshd proven; nothing for a guest that runs. Its hold counts the
-    save against ``max_saved_gib`` until it is restored. Any failure is ``RestoreFailed``
-    (the runner's undos remove the guest first)."""
+    clock, its entropy) and given its hostname, its sshd checked; nothing for a guest that
+    runs. Its hold counts the save against ``max_saved_gib`` until it is restored. Any
+    failure is ``RestoreFailed`` (the runner's undos remove the guest first)."""
     if saved_bytes(c) is None:
         return
     assert c.record is not None  # made by the claim step
