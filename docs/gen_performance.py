@@ -101,7 +101,10 @@ ABOUT: dict[str, tuple[str, str]] = {
         "cycle, beside the boot floor of Fast start: a suspend (managed save), a resume until "
         "SSH answers (restore, SSH, the guest's clock and seed set), the resident memory of the "
         "domain's QEMU while suspended, and in each cycle a process started before the first "
-        "(its PID and in-memory counter) and a file written before (its checksum) checked.",
+        "(its PID and in-memory counter) and a file written before (its checksum) checked; "
+        "then a claim from a parked pool by the `vmsandbox create` process, and, in the nested "
+        "GPU host with two cards of one model, a 1-card sandbox suspended, its card given to "
+        "another sandbox and the first resumed onto the other card, verified from inside.",
     ),
     "fleet": (
         "The fleet under faults",
