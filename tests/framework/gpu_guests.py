@@ -1,12 +1,13 @@
-"""A GPU host and its guests for suspend and resume tests on the in-memory hypervisor: the HGX
-fake host's GPUs as AMD cards (so the in-guest verification is the PCI check), with or
-without its NVSwitches (``amd_board``); a manager whose host GPUs are the board's
-(``BoardManager``); a fake guest that answers the GPU hand-over program, the wait for the GPUs
-below their ports and lspci (``FakeGuest``); and what a test reads of a sandbox (``record``,
-``buses``, ``held_by``)."""
+"""A GPU host and its guests for suspend and resume tests on the in-memory hypervisor: the HGX fake
+host's GPUs as AMD cards (so the in-guest verification is the PCI check), with or without its
+NVSwitches (``amd_board``); a manager whose host GPUs are the board's (``BoardManager``, made by
+``board_manager``; ``gpu_box`` creates a GPU sandbox on it); a fake guest that answers the GPU
+hand-over program, the wait for the GPUs below their ports and lspci (``FakeGuest``); and what a
+test reads of a sandbox (``record``, ``buses``, ``held_by``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -17,11 +18,14 @@ from lxml import etree
 
 from vmsandbox.config import Config
 from vmsandbox.gpu import hotplug
+from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.guest.ssh import Endpoint, ExecResult
 from vmsandbox.host.model import Inventory
+from vmsandbox.sandbox import boot
 from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.record import SandboxRecord
+from vmsandbox.sandbox.spec import SandboxSpec
 
 
 def amd_board(hgx: Inventory, *, switches: bool = False) -> Inventory:
@@ -42,6 +46,33 @@ class BoardManager(SandboxManager):
         holders = self.hypervisor.hostdev_holders() if in_use is None else in_use
         gpus = tuple(replace(gpu, in_use_by=holders.get(gpu.bdf)) for gpu in self.board.gpus)
         return replace(self.board, gpus=gpus)
+
+
+@contextlib.contextmanager
+def board_manager(
+    config: Config, hv: FakeHypervisor, board: Inventory, guest: Any = None
+) -> Iterator[SandboxManager]:
+    """A ``BoardManager`` on ``board`` whose boot waits return at once and whose guest
+    commands ``guest`` answers (when given)."""
+    BoardManager.board = board
+    real = boot.wait_ready
+    boot.wait_ready = lambda *_a, **_k: 0.25  # type: ignore[assignment]
+    try:
+        with BoardManager(config, hypervisor=hv, reconcile=False) as manager:
+            if guest is not None:
+                manager.guest_run = guest  # type: ignore[method-assign]
+            yield manager
+    finally:
+        boot.wait_ready = real  # type: ignore[assignment]
+
+
+def gpu_box(manager: SandboxManager, name: str = "box", count: int = 1) -> SandboxRecord:
+    """A sandbox of ``count`` GPUs created (not waited for); its record."""
+    spec = SandboxSpec(
+        name=name, image="tiny", memory_mib=256, disk_gib=1, gpu=GpuRequest(count=count)
+    )
+    manager.create(spec, wait=False)
+    return record(manager.hypervisor, name)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -5,13 +5,14 @@ killed process left is finished by reconcile, and quarantined GPUs are never giv
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from framework import fake_sysfs
 from framework.fake_hypervisor import FakeHypervisor, refuse, unit_config
+from framework.gpu_guests import BoardManager
 from framework.inventories import discover_hosts
 
 from vmsandbox.config import Config
@@ -34,17 +35,6 @@ def board(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
     case = {"use_nvml": False, "proc_root": str(tmp_path_factory.mktemp("proc"))}
     hgx = discover_hosts({"hgx": ("hgx_h100", case)})["hgx"]
     return replace(hgx, fabric=())
-
-
-class BoardManager(SandboxManager):
-    """A manager whose host GPUs are ``board``'s, held by what the fake domains hold."""
-
-    board: Inventory
-
-    def gpus(self, in_use: Mapping[str, str] | None = None) -> Inventory:
-        holders = self.hypervisor.hostdev_holders() if in_use is None else in_use
-        gpus = tuple(replace(gpu, in_use_by=holders.get(gpu.bdf)) for gpu in self.board.gpus)
-        return replace(self.board, gpus=gpus)
 
 
 @pytest.fixture

@@ -14,20 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from framework import gpu_guests
 from framework.fabric import FAKE_FMPM
 from framework.fake_hypervisor import FakeHypervisor, refuse, unit_config
-from framework.gpu_guests import BoardManager, FakeGuest, amd_board, buses, held_by, record
+from framework.gpu_guests import FakeGuest, amd_board, board_manager, buses, held_by, record
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, ResourceExhausted
 from vmsandbox.gpu.custody.store import CustodyStore
-from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.host.model import Inventory
-from vmsandbox.sandbox import boot, resume, suspend
+from vmsandbox.sandbox import resume, suspend
 from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.record import SandboxRecord
-from vmsandbox.sandbox.spec import SandboxSpec
 
 DRIVER = "535.216.01"  # Fabric Manager's release, and the image's NVIDIA driver
 
@@ -62,26 +61,14 @@ def guest(hv: FakeHypervisor, board: Inventory) -> FakeGuest:
 
 @pytest.fixture
 def manager(
-    config: Config,
-    hv: FakeHypervisor,
-    board: Inventory,
-    guest: FakeGuest,
-    fm: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    config: Config, hv: FakeHypervisor, board: Inventory, guest: FakeGuest, fm: Path
 ) -> Iterator[SandboxManager]:
-    monkeypatch.setattr(boot, "wait_ready", lambda *_a, **_k: 0.25)
-    BoardManager.board = board
-    with BoardManager(config, hypervisor=hv, reconcile=False) as mgr:
-        mgr.guest_run = guest  # type: ignore[method-assign]
-        yield mgr
+    with board_manager(config, hv, board, guest) as made:
+        yield made
 
 
 def gpu_box(manager: SandboxManager, name: str = "box", count: int = 2) -> SandboxRecord:
-    spec = SandboxSpec(
-        name=name, image="tiny", memory_mib=256, disk_gib=1, gpu=GpuRequest(count=count)
-    )
-    manager.create(spec, wait=False)
-    return record(manager.hypervisor, name)  # type: ignore[arg-type]
+    return gpu_guests.gpu_box(manager, name, count)
 
 
 def active(fm: Path) -> list[int]:

@@ -13,18 +13,23 @@ from typing import Any
 
 import pytest
 from framework.fake_hypervisor import FakeHypervisor
-from framework.gpu_guests import BoardManager, FakeGuest, amd_board, buses, held_by, record
+from framework.gpu_guests import (
+    BoardManager,
+    FakeGuest,
+    amd_board,
+    board_manager,
+    buses,
+    gpu_box,
+    held_by,
+    record,
+)
 
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, ResourceExhausted
 from vmsandbox.gpu.custody.store import CustodyStore
-from vmsandbox.gpu.request import GpuRequest
 from vmsandbox.host.model import Inventory
-from vmsandbox.sandbox import boot
 from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.manager import SandboxManager
-from vmsandbox.sandbox.record import SandboxRecord
-from vmsandbox.sandbox.spec import SandboxSpec
 
 
 @pytest.fixture(scope="module")
@@ -40,25 +45,10 @@ def guest(hv: FakeHypervisor, board: Inventory) -> FakeGuest:
 
 @pytest.fixture
 def manager(
-    config: Config,
-    hv: FakeHypervisor,
-    board: Inventory,
-    guest: FakeGuest,
-    monkeypatch: pytest.MonkeyPatch,
+    config: Config, hv: FakeHypervisor, board: Inventory, guest: FakeGuest
 ) -> Iterator[SandboxManager]:
-    monkeypatch.setattr(boot, "wait_ready", lambda *_a, **_k: 0.25)
-    BoardManager.board = board
-    with BoardManager(config, hypervisor=hv, reconcile=False) as mgr:
-        mgr.guest_run = guest  # type: ignore[method-assign]
-        yield mgr
-
-
-def gpu_box(manager: SandboxManager, name: str = "box", count: int = 1) -> SandboxRecord:
-    spec = SandboxSpec(
-        name=name, image="tiny", memory_mib=256, disk_gib=1, gpu=GpuRequest(count=count)
-    )
-    manager.create(spec, wait=False)
-    return record(manager.hypervisor, name)  # type: ignore[arg-type]
+    with board_manager(config, hv, board, guest) as made:
+        yield made
 
 
 def test_a_suspend_lets_the_gpus_go_in_the_guest_detaches_and_releases_them(

@@ -10,13 +10,14 @@ apart by reconcile. test_e2e_nested.py attaches real cards to a real guest.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from framework.fake_hypervisor import IMAGE_ID, FakeHypervisor, refuse, unit_config
+from framework.gpu_guests import BoardManager, amd_board
 from framework.inventories import discover_hosts
 from framework.paths import FIXTURES
 from lxml import etree
@@ -48,24 +49,7 @@ DEAD = {"pid": 1, "start": "0", "boot": "another boot"}
 def board(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
     """The HGX fake host's eight GPUs as AMD cards, without its NVSwitches."""
     case = {"use_nvml": False, "proc_root": str(tmp_path_factory.mktemp("proc"))}
-    hgx = discover_hosts({"hgx": ("hgx_h100", case)})["hgx"]
-    amd = tuple(
-        replace(gpu, vendor="amd", vendor_id="0x1002", device_id="0x74a1", name="MI300X")
-        for gpu in hgx.gpus
-    )
-    return replace(hgx, gpus=amd, fabric=())
-
-
-class BoardManager(SandboxManager):
-    """A manager whose host GPUs are ``board``'s, held by what the fake hypervisor's domains
-    hold (their XML and what was attached to them)."""
-
-    board: Inventory
-
-    def gpus(self, in_use: Mapping[str, str] | None = None) -> Inventory:
-        holders = self.hypervisor.hostdev_holders() if in_use is None else in_use
-        gpus = tuple(replace(gpu, in_use_by=holders.get(gpu.bdf)) for gpu in self.board.gpus)
-        return replace(self.board, gpus=gpus)
+    return amd_board(discover_hosts({"hgx": ("hgx_h100", case)})["hgx"])
 
 
 @dataclass
