@@ -52,7 +52,7 @@ os.environ.setdefault("VMSANDBOX_NESTED_BUDGET", str(24 * 3600))  # this bench's
 sys.path.insert(0, str(common.REPO / "tests"))
 
 from framework import canary
-from framework.nested_host import BudgetExhausted, L1Lost, NestedHost
+from framework.nested_host import BudgetExhausted, L1Lost, NestedHost, nested_env
 
 NESTED = common.REPO / "setup" / "nested.sh"
 QMP = common.REPO / "setup" / "qmp.py"
@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-l1", type=int, default=10, help="tenants per L1 (10)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = common.parse_args(parser, argv)
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(common.REPO)}
+    env = nested_env()
     state = Path(env["VMSANDBOX_NESTED_DIR"])
     logs = state.parent / f"{state.name}-logs"
     host = NestedHost(NESTED, env, state, logs)

@@ -31,7 +31,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from framework.nested_host import POOL_CONFIG, POOL_TOML, BudgetExhausted, L1Lost, NestedHost  # noqa: E402
+from framework.nested_host import (  # noqa: E402
+    POOL_CONFIG,
+    POOL_TOML,
+    BudgetExhausted,
+    L1Lost,
+    NestedHost,
+    nested_env,
+)
 
 CONFIG_KEYS = (
     "VMSANDBOX_NESTED_CPU",
@@ -95,7 +102,7 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="create")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    env = nested_env()
     state = Path(env.get("VMSANDBOX_NESTED_DIR", "/var/tmp/vmsandbox-nested"))
     logs = Path(env.get("VMSANDBOX_NESTED_LOG_DIR", "/var/tmp/vmsandbox-nested-logs"))
     host = NestedHost(REPO / "setup" / "nested.sh", env, state, logs)

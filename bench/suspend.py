@@ -168,16 +168,10 @@ def nested() -> dict[str, Any]:
     """A suspended 1-card sandbox resumed onto the other card of the nested host (docstring)."""
     sys.path.insert(0, str(common.REPO / "tests"))
     from framework.card_handover import sandbox_of, suspend_onto_the_other_card
-    from framework.nested_host import module_host
+    from framework.nested_host import module_host, nested_env
 
     state = Path("/var/tmp/vmsandbox-suspend-nested")
-    env = {
-        **os.environ,
-        "PYTHON": sys.executable,
-        "PYTHONPATH": str(common.REPO),
-        "VMSANDBOX_NESTED_CARDS": "twin",
-        "VMSANDBOX_NESTED_DIR": str(state),
-    }
+    env = nested_env(VMSANDBOX_NESTED_CARDS="twin", VMSANDBOX_NESTED_DIR=str(state))
     hosts = contextlib.contextmanager(module_host)
     logs = state.with_name(f"{state.name}-logs")
     with hosts(common.REPO / "setup" / "nested.sh", env, state, logs, 1800.0) as host:

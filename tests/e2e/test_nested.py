@@ -41,7 +41,7 @@ from typing import Any
 
 import pytest
 from framework import canary
-from framework.nested_host import POOL_CONFIG, POOL_TOML, NestedHost, module_host
+from framework.nested_host import POOL_CONFIG, POOL_TOML, NestedHost, module_host, nested_env
 from framework.paths import REPO
 
 from vmsandbox.sandbox.spec import generate_name
@@ -65,11 +65,6 @@ CRASH_CLI = "/opt/vmsandbox/bin/python /opt/vmsandbox/src/tests/framework/crash_
 PCI_IDS = "for d in /sys/bus/pci/devices/*; do echo $(cat $d/vendor) $(cat $d/device); done"
 
 Done = subprocess.CompletedProcess[str]
-
-
-def nested_env() -> dict[str, str]:
-    """setup/nested.sh runs vmsandbox here with this interpreter and this checkout."""
-    return {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
 
 
 def json_of(done: Done) -> dict[str, Any]:

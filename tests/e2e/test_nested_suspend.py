@@ -22,7 +22,7 @@ from framework.card_handover import (
     sandbox_of,
     suspend_onto_the_other_card,
 )
-from framework.nested_host import NestedHost, module_host
+from framework.nested_host import NestedHost, module_host, nested_env
 from framework.paths import REPO
 
 pytestmark = pytest.mark.timeout(3600)
@@ -37,13 +37,7 @@ BUDGET = 600.0  # one step of two L2 boots (about 3 min here), and a retry
 
 @pytest.fixture(scope="module")
 def host() -> Iterator[NestedHost]:
-    env = {
-        **os.environ,
-        "PYTHON": os.environ.get("PYTHON", str(REPO / ".venv" / "bin" / "python")),
-        "PYTHONPATH": str(REPO),
-        "VMSANDBOX_NESTED_CARDS": "twin",
-        "VMSANDBOX_NESTED_DIR": str(STATE_DIR),
-    }
+    env = nested_env(VMSANDBOX_NESTED_CARDS="twin", VMSANDBOX_NESTED_DIR=str(STATE_DIR))
     yield from module_host(NESTED, env, STATE_DIR, LOG_DIR, BUDGET)
 
 

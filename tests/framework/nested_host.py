@@ -31,6 +31,7 @@ import re
 import select
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -38,6 +39,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
+
+from framework.paths import REPO
 
 T = TypeVar("T")
 
@@ -431,6 +434,12 @@ class NestedHost:
         return "\n".join([head, *(f"  {life.describe()}" for life in self.lives)])
 
 
+def nested_env(**extra: str) -> dict[str, str]:
+    """The environment setup/nested.sh runs in: vmsandbox on this host with this interpreter
+    and this checkout, plus ``extra`` (VMSANDBOX_NESTED_DIR, VMSANDBOX_NESTED_CARDS...)."""
+    return {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), **extra}
+
+
 def module_host(
     script: Path, env: dict[str, str], state_dir: Path, log_dir: Path, budget: float = BUDGET
 ) -> Iterator[NestedHost]:
@@ -440,7 +449,7 @@ def module_host(
     the next run, the summary written to ``log_dir``/summary.txt."""
     for image in ("minimal", "nested"):
         subprocess.run(
-            [env.get("PYTHON", "python3"), "-m", "vmsandbox.cli", "images", "build", image],
+            [env["PYTHON"], "-m", "vmsandbox.cli", "images", "build", image],
             env=env,
             check=True,
             timeout=3600,

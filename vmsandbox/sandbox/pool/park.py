@@ -96,4 +96,5 @@ def restore(c: create.Creation) -> None:
     with c.lock():  # restored: libvirt removed the save, which the hold counted until now
         c.holds.put(replace(c.own(), saved_bytes=0))
     c.hostname_set = reached.claimed
-    c.progress(f"parked guest {c.files.name} answers SSH {reached.seconds:.2f} s after its restore")
+    back = "claimed, its sshd checked" if reached.claimed else "answers SSH"
+    c.progress(f"parked guest {c.files.name} {back} {reached.seconds:.2f} s after its restore")
