@@ -7,11 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 from framework import paths
+from framework.verify_guest import FakeGuest
 
 from vmsandbox.errors import GuestVerificationFailed, Unavailable
 from vmsandbox.guest import verify
@@ -20,16 +20,6 @@ from vmsandbox.guest.verify import ExpectedGpu, nvlink
 
 FIXTURES = paths.FIXTURES / "guest"
 SMOKE = Path(verify.__file__).parent.parent / "programs" / "cuda_smoke.py"
-CHECK_OF = {
-    verify.LSPCI: "lspci",
-    verify.DRIVER_PROBE: "probe",
-    verify.NVIDIA_SMI: "nvidia-smi",
-    verify.KERNEL_LOG: "kernel-log",
-    verify.COMPUTE: "compute",
-    nvlink.CUDA_INIT: "cuda-init",
-    nvlink.NVLINK_STATUS: "nvlink",
-    nvlink.TOPOLOGY: "topology",
-}
 FABRIC = FIXTURES / "fabric"
 # The HGX H100 host of tests/fixtures/hosts/hgx_h100.umockdev, in allocation (hostdev) order.
 HGX_BDFS = [
@@ -60,45 +50,6 @@ def h100(bdf: str, name: str | None = "NVIDIA H100 80GB HBM3") -> ExpectedGpu:
 
 
 HGX = [h100(bdf) for bdf in HGX_BDFS]
-
-
-class FakeGuest:
-    """A ``Runner`` answering the verification commands from files or strings.
-
-    ``outputs`` maps a check name (``lspci``, ``probe``, ``nvidia-smi``, ``kernel-log``,
-    ``compute``) to stdout, or to (exit status, stdout, stderr). A command without an answer
-    fails the test: verification must not run it.
-    """
-
-    def __init__(self, outputs: Mapping[str, str | tuple[int, str, str]]) -> None:
-        self.outputs = dict(outputs)
-        self.calls: list[tuple[str, bytes | None, float | None]] = []
-
-    @classmethod
-    def scenario(cls, name: str, **override: str | tuple[int, str, str]) -> FakeGuest:
-        outputs: dict[str, str | tuple[int, str, str]] = {}
-        for path in sorted((FIXTURES / name).glob("*.out")):
-            status_file = path.with_suffix(".status")
-            status = int(status_file.read_text()) if status_file.exists() else 0
-            outputs[path.stem] = (status, path.read_text(), "")
-        outputs.update(override)
-        return cls(outputs)
-
-    @property
-    def checks_run(self) -> list[str]:
-        return [CHECK_OF[command] for command, _stdin, _timeout in self.calls]
-
-    def __call__(
-        self, command: str, *, stdin: bytes | None = None, timeout: float | None = None
-    ) -> ExecResult:
-        self.calls.append((command, stdin, timeout))
-        check = CHECK_OF.get(command)
-        assert check is not None, f"verification ran an unknown command: {command!r}"
-        answer = self.outputs.get(check)
-        assert answer is not None, f"verification ran {check!r}, which this guest does not expect"
-        if isinstance(answer, str):
-            answer = (0, answer, "")
-        return ExecResult(exit_status=answer[0], stdout=answer[1], stderr=answer[2])
 
 
 def statuses(report: verify.VerificationReport) -> dict[str, str]:
