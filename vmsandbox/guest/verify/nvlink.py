@@ -39,6 +39,8 @@ _802 = re.compile(
 _GPU_LINE = re.compile(r"^GPU (\d+): (.*?)(?: \(UUID: (\S+)\))?\s*$")
 _LINK_LINE = re.compile(r"^\s*Link (\d+): (.+?)\s*$")
 _DEVICE = re.compile(r"^(GPU|NIC)\d+$")
+# nvidia-smi underlines the matrix's header (ESC[4m ... ESC[0m), also when not on a terminal.
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class Runner(Protocol):
@@ -93,7 +95,7 @@ def parse_nvlink_status(text: str) -> list[GpuLinks]:
 
 def parse_topology(text: str) -> dict[tuple[int, int], str]:
     """GPU-to-GPU cells of ``nvidia-smi topo -m``: (row GPU, column GPU) -> ``NV18``, ``SYS``..."""
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = [line for line in _ANSI_ESCAPE.sub("", text).splitlines() if line.strip()]
     if not lines:
         return {}
     columns: list[str] = []

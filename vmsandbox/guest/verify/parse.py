@@ -19,7 +19,9 @@ _LSPCI_RE = re.compile(
     r" (?P<class_name>.*?) \[(?P<class_id>[0-9a-fA-F]{4})\]: (?P<description>.*)"
     r" \[(?P<vendor>[0-9a-fA-F]{4}):(?P<device>[0-9a-fA-F]{4})\](?: \(rev [0-9a-fA-F]{2}\))?"
 )
-_MODULE_VERSION_RE = re.compile(r"Kernel Module\s+(\d+(?:\.\d+)+)")
+# "... x86_64 Kernel Module  535.309.01 ..." (proprietary), "... Open Kernel Module for x86_64
+# 580.159.04 ..." (open).
+_MODULE_VERSION_RE = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)")
 _MEMORY_RE = re.compile(r"(\d+)\s*MiB")
 _XID_RE = re.compile(rf"NVRM: Xid \(PCI:(?P<address>{SLOT_PATTERN})\): (?P<code>\d+)")
 _NVRM_GPU_RE = re.compile(rf"NVRM: (?:The NVIDIA )?GPU (?P<bdf>{BDF_PATTERN})")

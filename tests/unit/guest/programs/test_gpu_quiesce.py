@@ -55,23 +55,29 @@ class Runner:
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
-    device = tmp_path / "sys/bus/pci/devices" / ADDRESS
+    return guest_root(tmp_path, ADDRESS, "0x2330")
+
+
+def guest_root(path: Path, address: str, device_id: str) -> Path:
+    """A guest root with one NVIDIA GPU on the nvidia driver at ``address``."""
+    device = path / "sys/bus/pci/devices" / address
     device.mkdir(parents=True)
     (device / "vendor").write_text("0x10de\n")
-    (device / "device").write_text("0x2330\n")
+    (device / "device").write_text(f"{device_id}\n")
     (device / "driver").symlink_to("../../../bus/pci/drivers/nvidia")
-    (tmp_path / "sys/module/nvidia").mkdir(parents=True)
-    (tmp_path / "sys/module/nvidia_uvm").mkdir(parents=True)
-    (tmp_path / "proc").mkdir()
-    return tmp_path
+    (path / "sys/module/nvidia").mkdir(parents=True)
+    (path / "sys/module/nvidia_uvm").mkdir(parents=True)
+    (path / "proc").mkdir()
+    return path
 
 
-def process(root: Path, pid: int, command: str) -> None:
-    """A process with /dev/nvidia0 open."""
+def process(root: Path, pid: int, command: str, nodes: Sequence[str] = ("/dev/nvidia0",)) -> None:
+    """A process with ``nodes`` open (fds 3, 4...)."""
     fd = root / "proc" / str(pid) / "fd"
     fd.mkdir(parents=True)
     (root / "proc" / str(pid) / "comm").write_text(command + "\n")
-    (fd / "3").symlink_to("/dev/nvidia0")
+    for number, node in enumerate(nodes, start=3):
+        (fd / str(number)).symlink_to(node)
 
 
 @pytest.fixture
@@ -124,3 +130,73 @@ def test_cuda_processes_are_checkpointed_and_restored_onto_the_new_gpu(
 def test_a_bad_request_is_an_error_answer(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert gpu_quiesce.main(["explode"], Guest(root, Runner(root))) == gpu_quiesce.EXIT_FAILED
     assert "usage" in json.loads(capsys.readouterr().out)["error"]
+
+
+# -- on what cuda-checkpoint and nvidia-smi said on a real GPU (tests/fixtures/real) -----------
+
+REAL = Path(__file__).parents[3] / "fixtures" / "real" / "h200-580.159.04"
+
+
+class RecordedRunner:
+    """Answers with the outputs the probe recorded: cuda-checkpoint's help and states, the
+    UUID query; a checkpoint leaves the process the file descriptors it had then."""
+
+    def __init__(self, root: Path, pid: int) -> None:
+        self.root, self.pid = root, pid
+        self.state = "running"
+        self.commands: list[list[str]] = []
+        self.uuids = (REAL / "smi" / "uuids.out").read_text()
+
+    def __call__(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        argv = list(argv)
+        self.commands.append(argv)
+        out = ""
+        if argv[0] == "nvidia-smi":
+            out = self.uuids
+        elif argv[:2] == ["cuda-checkpoint", "--help"]:
+            out = (REAL / "checkpoint" / "help.out").read_text()
+        elif argv[:2] == ["cuda-checkpoint", "--get-state"]:
+            out = self.state + "\n"
+        elif argv[:2] == ["cuda-checkpoint", "--action"]:
+            after = {"lock": "locked", "checkpoint": "checkpointed", "restore": "locked"}
+            self.state = after.get(argv[2], "running")
+            if argv[2] == "checkpoint":
+                fds = self.root / "proc" / str(self.pid) / "fd"
+                kept = set(recorded_fds("hand-06-checkpointed"))
+                for fd in fds.iterdir():
+                    if str(fd.readlink()) not in kept:
+                        fd.unlink()
+        elif argv[0] == "modprobe" and argv[1] == "-r":
+            for module in argv[2:]:
+                (self.root / "sys/module" / module).rmdir()
+        elif argv[0] == "modprobe":
+            (self.root / "sys/module" / argv[1]).mkdir()
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+
+def recorded_fds(step: str) -> list[str]:
+    return json.loads((REAL / "checkpoint" / f"{step}.json").read_text())["fds"]
+
+
+def test_the_recorded_tools_take_a_cuda_process_through_quiesce_and_revive(
+    tmp_path: Path, with_checkpoint: None
+) -> None:
+    bus, old_uuid = (REAL / "smi" / "uuids.out").read_text().strip().split(", ")
+    address = bus.lower()[-12:]
+    root = guest_root(tmp_path, address, "0x2335")
+    process(root, 583, "counter", recorded_fds("hand-00-started"))
+    run = RecordedRunner(root, 583)
+    guest = Guest(root, run)
+
+    assert guest.checkpointer() == "action"
+    assert guest.holders([address]) == {583: "counter"}
+    report = gpu_quiesce.quiesce(guest, ["10de:2335"], force=False)
+    assert report["checkpointed"] == [583] and report["ended"] == []
+
+    run.uuids = run.uuids.replace(old_uuid, "GPU-new")  # resumed onto another card
+    revived = gpu_quiesce.revive(guest, wait=1)
+    assert revived["restored"] == [583] and revived["device_map"] == {old_uuid: "GPU-new"}
+    steps = [c[1:3] for c in run.commands if c[0] == "cuda-checkpoint" and c[1] == "--action"]
+    assert steps == [["--action", a] for a in ("lock", "checkpoint", "restore", "unlock")]
+    restore = next(c for c in run.commands if "restore" in c)
+    assert restore[restore.index("--device-map") + 1] == f"{old_uuid}=GPU-new"
