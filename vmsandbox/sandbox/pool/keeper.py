@@ -30,7 +30,7 @@ from vmsandbox.gpu import hotplug
 from vmsandbox.guest import ssh
 from vmsandbox.sandbox import create, reserve, runner
 from vmsandbox.sandbox.holds import Holds
-from vmsandbox.sandbox.pool.park import RestoreFailed
+from vmsandbox.sandbox.pool.park import RestoreFailed, park_waiting
 from vmsandbox.sandbox.pool.shapes import (
     NoPooledGuest,
     PoolFull,
@@ -47,6 +47,7 @@ from vmsandbox.sandbox.record import (
     SandboxFiles,
     SandboxRecord,
 )
+from vmsandbox.sandbox.suspend import GIB, MIB, saved_total
 from vmsandbox.sandbox.timing import StepTimes
 from vmsandbox.vm import virt
 
@@ -243,7 +244,11 @@ class WarmPool:
                 if not mine:
                     return made
                 made += self._fill_all(say, poll)
-            if not self._room_left():  # a claim after this filler's last look is made up
+                m = self.manager
+                park_waiting(self.config, m.hypervisor, m.locked, self.guests(), say)
+            # a claim after this filler's last look is made up (a park that failed is not
+            # tried again at once)
+            if not self._room_left(parks=False):
                 return made
 
     def _fill_all(self, say: Progress, poll: float) -> list[str]:
@@ -256,11 +261,18 @@ class WarmPool:
             self.manager.reconcile()  # a filler that died leaves a guest to remove
             time.sleep(poll)
 
-    def _room_left(self) -> bool:
+    def _room_left(self, *, parks: bool = True) -> bool:
+        """Whether a filler has work: a shape short of guests, or (``parks``) a running
+        guest of a ``park`` shape that the host's saves now have room for."""
         with self.manager.locked():
-            current = list(Holds(self.config).all().values())
+            current = Holds(self.config).all()
+        room = self.config.max_saved_gib * GIB - saved_total(current)
         for shape in self.config.pool:
-            if sum(1 for hold in current if hold.pool == shape.key) < shape.count:
+            mine = [hold for hold in current.values() if hold.pool == shape.key]
+            if len(mine) < shape.count:
+                return True
+            waiting = [h for h in mine if h.owner is None and not h.saved_bytes]
+            if parks and shape.park and waiting and shape.memory_mib * MIB <= room:
                 return True
         return False
 

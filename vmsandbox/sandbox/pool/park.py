@@ -5,7 +5,8 @@ saves its memory with libvirt's managed save (``park``, as suspend.py saves a sa
 guest holds no GPU, so nothing is quiesced): no QEMU process runs for it and it holds no host
 memory, only its save file on disk, which its hold counts against ``max_saved_gib``. A park
 that would pass that limit leaves the guest running (state ``pooled``). The guest is then
-stored ``parked``.
+stored ``parked``. A guest left running so is parked by a later fill once the limit has room
+(``park_waiting``).
 
 A claim of a parked guest restores it (``restore``): the memory read back, the guest woken
 as resume.py wakes a sandbox (clock set, entropy reseeded beside the VM generation ID) and
@@ -21,15 +22,27 @@ Reconcile leaves a parked guest and its save alone (its files are all there); de
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from vmsandbox.errors import VmSandboxError
 from vmsandbox.guest import control
 from vmsandbox.sandbox import create, resume
-from vmsandbox.sandbox.holds import Holds
+from vmsandbox.sandbox.holds import Holds, own, settled
+from vmsandbox.sandbox.pool.shapes import holds as of_shape
+from vmsandbox.sandbox.record import STATE_PARKED, STATE_POOLED, SandboxRecord
 from vmsandbox.sandbox.suspend import GIB, MIB, saved_total, wait_for_control
 from vmsandbox.vm import netguard
+
+if TYPE_CHECKING:
+    from vmsandbox.config import Config
+    from vmsandbox.progress import Progress
+    from vmsandbox.vm.hypervisor import Hypervisor
+
+Lock = Callable[[], contextlib.AbstractContextManager[None]]
 
 
 class RestoreFailed(Exception):
@@ -67,6 +80,57 @@ def park(c: create.Creation) -> None:
     wait_for_control(c.hypervisor, c.domain, c.uuid, c.name, c.progress)
     c.progress(f"parking pooled guest {c.name}: saving its memory ({c.record.memory_mib} MiB)")
     c.hypervisor.save(c.domain, uuid=c.uuid)
+
+
+def park_waiting(
+    config: Config,
+    hypervisor: Hypervisor,
+    locked: Lock,
+    guests: Sequence[tuple[SandboxRecord, str, str]],
+    say: Progress,
+) -> list[str]:
+    """The running pooled guests of ``park`` shapes (``guests``: record, state, UUID) parked
+    while ``max_saved_gib`` has room for them; their names. Each is taken from the claimable
+    ones first, under the lock (its hold owned by this call, doing ``park``, its save's room
+    counted: a claim meanwhile passes it by), then saved, then stored ``parked``. A save that
+    fails leaves it running and ``pooled``; a call killed halfway leaves it to reconcile,
+    which removes it (the pool boots another)."""
+    parked: list[str] = []
+    shapes = [shape for shape in config.pool if shape.park]
+    for record, state, uuid in guests:
+        if state != STATE_POOLED or not any(of_shape(shape, record) for shape in shapes):
+            continue
+        owner = own(config)
+        try:
+            with locked():
+                book = Holds(config)
+                hold = book.all().get(uuid)
+                if hold is None or hold.owner is not None or hold.pool is None:
+                    continue  # claimed, or being worked on, meanwhile
+                need = record.memory_mib * MIB
+                if saved_total(book.all(), but=uuid) + need > config.max_saved_gib * GIB:
+                    break
+                book.put(replace(hold, owner=owner.identity, doing="park", saved_bytes=need))
+            say(f"parking pooled guest {record.name}: max_saved_gib has room for it now")
+            try:
+                wait_for_control(hypervisor, record.domain, uuid, record.name, say)
+                hypervisor.save(record.domain, uuid=uuid)
+            except VmSandboxError as exc:
+                say(f"pooled guest {record.name} stays running: its save failed: {exc.message}")
+            with locked():
+                book = Holds(config)
+                hold = book.all().get(uuid)
+                if hold is None or not hold.owned_by(owner.identity):
+                    continue  # a destroy took it over
+                size = hypervisor.saved(record.domain, uuid=uuid)
+                shown = STATE_POOLED if size is None else STATE_PARKED
+                hypervisor.set_metadata(record.domain, record.to_dict(), shown, uuid=uuid)
+                book.put(settled(replace(hold, saved_bytes=size or 0)))
+            if size is not None:
+                parked.append(record.name)
+        finally:
+            owner.end()
+    return parked
 
 
 def saved_bytes(c: create.Creation) -> int | None:

@@ -23,7 +23,11 @@ from vmsandbox.sandbox.holds import Holds
 from vmsandbox.sandbox.manager import SandboxManager
 from vmsandbox.sandbox.pool import park
 from vmsandbox.sandbox.spec import SandboxSpec
+from vmsandbox.vm.process import ProcessIdentity
 
+MIB = 1 << 20
+DEAD = ProcessIdentity(pid=1, start="0", boot="another boot")
+OTHER = ProcessIdentity.current()  # a live transition's owner
 SHAPE = {"image": "tiny", "memory_mib": 256, "disk_gib": 1, "count": 1, "park": True}
 HIT = SandboxSpec(name="hit", image="tiny", memory_mib=256, disk_gib=1)
 
@@ -176,3 +180,63 @@ def test_a_parked_guest_cannot_be_started_as_a_sandbox(
     with pytest.raises(FailedPrecondition, match="is a guest of the warm pool"):
         manager.start(guest)
     assert hv.domains[f"vmsbx-{guest}"].running is False
+
+
+# -- a guest left running by a full max_saved_gib, parked once there is room ------------------
+
+
+@pytest.fixture
+def left_running(manager: SandboxManager, config: Config) -> str:
+    """A pooled guest of the park shape that stayed running (max_saved_gib 0), then the limit
+    raised again."""
+    manager.config = manager.pool.config = replace(config, max_saved_gib=0)
+    guest = pooled_guest(manager)
+    manager.config = manager.pool.config = config
+    return guest
+
+
+def test_a_guest_left_running_is_parked_by_the_next_fill_once_there_is_room(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, left_running: str
+) -> None:
+    assert manager.pool._room_left()  # a create's refill_if_short starts a filler for it
+    assert manager.pool.fill() == []  # no guest to boot: the shape has its one
+    dom = hv.domains[f"vmsbx-{left_running}"]
+    assert (dom.state, dom.running, dom.saved is not None) == ("parked", False, True)
+    (hold,) = Holds(config).all().values()
+    assert hold.saved_bytes == dom.saved and hold.owner is None and hold.doing == ""
+    assert not manager.pool._room_left()
+
+
+def test_a_guest_being_claimed_is_not_parked(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, left_running: str
+) -> None:
+    with manager.locked():
+        holds = Holds(config)
+        (hold,) = holds.all().values()
+        holds.put(replace(hold, owner=OTHER, doing="claim"))
+    assert park.park_waiting(config, hv, manager.locked, manager.pool.guests(), print) == []
+    dom = hv.domains[f"vmsbx-{left_running}"]
+    assert (dom.running, dom.saved) == (True, None)
+
+
+def test_a_save_that_fails_leaves_the_guest_running_and_claimable(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, left_running: str
+) -> None:
+    hv.before["save"] = refuse("no room on the disk")
+    assert park.park_waiting(config, hv, manager.locked, manager.pool.guests(), print) == []
+    dom = hv.domains[f"vmsbx-{left_running}"]
+    assert (dom.state, dom.running, dom.saved) == ("pooled", True, None)
+    (hold,) = Holds(config).all().values()
+    assert (hold.saved_bytes, hold.owner, hold.pool) == (0, None, "small")
+    assert manager.pool.fill() == []  # tries once, does not spin on it
+
+
+def test_a_park_killed_halfway_leaves_the_guest_to_reconcile(
+    manager: SandboxManager, config: Config, hv: FakeHypervisor, left_running: str
+) -> None:
+    with manager.locked():
+        holds = Holds(config)
+        (hold,) = holds.all().values()
+        holds.put(replace(hold, owner=DEAD, doing="park", saved_bytes=256 * MIB))
+    manager.reconcile()
+    assert hv.domains == {} and Holds(config).all() == {}
