@@ -11,6 +11,7 @@ from dataclasses import replace
 from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, ResourceExhausted
 from vmsandbox.gpu.fabric.lease import FabricLease
+from vmsandbox.gpu.fabric.policy import blocked_text
 from vmsandbox.gpu.record import GpuRecord
 from vmsandbox.image.store import ImageStore
 from vmsandbox.progress import Progress
@@ -93,7 +94,7 @@ def _partition(
     try:
         allocation = reserve.allocate(GpuRequest(count=size), only, now, config.max_gpus)
     except ResourceExhausted as exc:
-        why = exc.message.removesuffix("; retry once one is released")
+        why = blocked_text(exc.details.get("blocked", {})) or exc.message
         raise ResourceExhausted(
             f"sandbox {record.name!r} cannot be resumed now: it needs a free Fabric Manager "
             f"partition of {size} GPU(s) of model {_models(held)} ({why}); {stays}: resume "

@@ -158,6 +158,8 @@ def test_a_resume_without_a_free_partition_of_its_size_stays_suspended(
     with pytest.raises(ResourceExhausted, match=r"partition of 2 GPU.*stays suspended") as caught:
         manager.resume("box")
     assert caught.value.details["partition_size"] == 2
+    message = caught.value.message
+    assert "(partition " in message and "retry once" not in message  # why each is not free
     assert calls(fm)[asked:] == ["-l"]  # FM's table read; nothing activated
     assert manager.get("box").state == "suspended" and record(hv) == before
     assert held_by(config, hv) == set() and partition_held(config, hv) is None

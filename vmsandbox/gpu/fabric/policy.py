@@ -32,8 +32,9 @@ vGPU mode (``FABRIC_MODE=2``) is FAILED_PRECONDITION: it does not pass whole GPU
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from vmsandbox.gpu.allocator import (
@@ -131,10 +132,9 @@ def _shared(request: GpuRequest, inventory: Inventory, fabric: Fabric, max_gpus:
     blocked = {p.id: why for p in candidates if (why := blockers(p, inventory, fabric))}
     free = [p for p in candidates if p.id not in blocked]
     if not free:
-        listed = "; ".join(f"partition {pid}: {', '.join(why)}" for pid, why in blocked.items())
         raise ResourceExhausted(
             f"{wanted} GPUs asked: none of the {len(candidates)} partitions of {wanted} GPUs "
-            f"is free ({listed}); retry once one is released",
+            f"is free ({blocked_text(blocked)}); retry once one is released",
             details={"wanted": wanted, "blocked": blocked},
         )
     all_free = [p for p in offered if not blockers(p, inventory, fabric)]
@@ -244,3 +244,9 @@ def _full_passthrough(request: GpuRequest, inventory: Inventory, max_gpus: int) 
 def _sizes(sizes: list[int]) -> str:
     shown = [str(size) for size in sizes]
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
+
+
+def blocked_text(blocked: Mapping[Any, Sequence[str]]) -> str:
+    """Why each partition is not free (``details["blocked"]`` of the RESOURCE_EXHAUSTED that
+    ``choose`` raises), as its message says it."""
+    return "; ".join(f"partition {pid}: {', '.join(why)}" for pid, why in blocked.items())
