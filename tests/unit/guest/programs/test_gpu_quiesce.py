@@ -134,18 +134,18 @@ def test_a_bad_request_is_an_error_answer(root: Path, capsys: pytest.CaptureFixt
 
 # -- on what cuda-checkpoint and nvidia-smi said on a real GPU (tests/fixtures/real) -----------
 
-REAL = Path(__file__).parents[3] / "fixtures" / "real" / "h200-580.159.04"
+RECORDINGS = Path(__file__).parents[3] / "fixtures" / "real"
 
 
 class RecordedRunner:
     """Answers with the outputs the probe recorded: cuda-checkpoint's help and states, the
     UUID query; a checkpoint leaves the process the file descriptors it had then."""
 
-    def __init__(self, root: Path, pid: int) -> None:
-        self.root, self.pid = root, pid
+    def __init__(self, recording: Path, root: Path, pid: int) -> None:
+        self.recording, self.root, self.pid = recording, root, pid
         self.state = "running"
         self.commands: list[list[str]] = []
-        self.uuids = (REAL / "smi" / "uuids.out").read_text()
+        self.uuids = (recording / "smi" / "uuids.out").read_text()
 
     def __call__(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
         argv = list(argv)
@@ -154,7 +154,7 @@ class RecordedRunner:
         if argv[0] == "nvidia-smi":
             out = self.uuids
         elif argv[:2] == ["cuda-checkpoint", "--help"]:
-            out = (REAL / "checkpoint" / "help.out").read_text()
+            out = (self.recording / "checkpoint" / "help.out").read_text()
         elif argv[:2] == ["cuda-checkpoint", "--get-state"]:
             out = self.state + "\n"
         elif argv[:2] == ["cuda-checkpoint", "--action"]:
@@ -162,7 +162,7 @@ class RecordedRunner:
             self.state = after.get(argv[2], "running")
             if argv[2] == "checkpoint":
                 fds = self.root / "proc" / str(self.pid) / "fd"
-                kept = set(recorded_fds("hand-06-checkpointed"))
+                kept = set(recorded_fds(self.recording, "hand-06-checkpointed"))
                 for fd in fds.iterdir():
                     if str(fd.readlink()) not in kept:
                         fd.unlink()
@@ -174,23 +174,27 @@ class RecordedRunner:
         return subprocess.CompletedProcess(argv, 0, out, "")
 
 
-def recorded_fds(step: str) -> list[str]:
-    return json.loads((REAL / "checkpoint" / f"{step}.json").read_text())["fds"]
+def recorded_fds(recording: Path, step: str) -> list[str]:
+    return json.loads((recording / "checkpoint" / f"{step}.json").read_text())["fds"]
 
 
+@pytest.mark.parametrize(
+    ("recording", "ids"), [("h100-580.159.04", "10de:2330"), ("h200-580.159.04", "10de:2335")]
+)
 def test_the_recorded_tools_take_a_cuda_process_through_quiesce_and_revive(
-    tmp_path: Path, with_checkpoint: None
+    tmp_path: Path, with_checkpoint: None, recording: str, ids: str
 ) -> None:
-    bus, old_uuid = (REAL / "smi" / "uuids.out").read_text().strip().split(", ")
+    folder = RECORDINGS / recording
+    bus, old_uuid = (folder / "smi" / "uuids.out").read_text().strip().split(", ")
     address = bus.lower()[-12:]
-    root = guest_root(tmp_path, address, "0x2335")
-    process(root, 583, "counter", recorded_fds("hand-00-started"))
-    run = RecordedRunner(root, 583)
+    root = guest_root(tmp_path, address, "0x" + ids.split(":")[1])
+    process(root, 583, "counter", recorded_fds(folder, "hand-00-started"))
+    run = RecordedRunner(folder, root, 583)
     guest = Guest(root, run)
 
     assert guest.checkpointer() == "action"
     assert guest.holders([address]) == {583: "counter"}
-    report = gpu_quiesce.quiesce(guest, ["10de:2335"], force=False)
+    report = gpu_quiesce.quiesce(guest, [ids], force=False)
     assert report["checkpointed"] == [583] and report["ended"] == []
 
     run.uuids = run.uuids.replace(old_uuid, "GPU-new")  # resumed onto another card
