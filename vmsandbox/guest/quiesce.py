@@ -22,7 +22,11 @@ from vmsandbox.guest.ssh import ExecResult
 # The program's exit statuses (programs/gpu_quiesce.py).
 EXIT_HELD = 3
 EXIT_FAILED = 4
-TIMEOUT_S = 300.0  # checkpointing a process copies its GPU memory to host memory
+TIMEOUT_S = 300.0
+# Checkpointing a process copies its GPU memory to host memory, restoring copies it back: per
+# GiB of the sandbox's GPU memory, three times what an H100 took (programs/gpu_quiesce.py).
+CHECKPOINT_S_PER_GIB = 2.0
+RESTORE_S_PER_GIB = 1.0
 Run = Callable[..., ExecResult]
 
 
@@ -31,33 +35,43 @@ def program() -> bytes:
     return resources.files("vmsandbox.guest.programs").joinpath("gpu_quiesce.py").read_bytes()
 
 
-def quiesce(run: Run, ids: Sequence[str], *, force: bool, name: str) -> dict[str, Any]:
+def quiesce(
+    run: Run, ids: Sequence[str], *, force: bool, name: str, gpu_memory_mib: int = 0
+) -> dict[str, Any]:
     """Let the GPU functions of ``ids`` (``vendor:device``) go in the guest of sandbox
-    ``name``. FAILED_PRECONDITION naming the processes that hold a GPU (unless ``force``,
-    which ends them), or what else failed; the guest keeps its GPUs then."""
+    ``name`` (its GPUs' memory, ``gpu_memory_mib``, sets the time limit).
+    FAILED_PRECONDITION naming the processes that hold a GPU, with why any of them was not
+    checkpointed (unless ``force``, which ends them), or what else failed; the guest keeps
+    its GPUs then."""
     argv = ["quiesce", *(["--force"] if force else []), *ids]
-    result = _run(run, argv)
+    result = _run(run, argv, TIMEOUT_S + CHECKPOINT_S_PER_GIB * gpu_memory_mib / 1024)
     if result.exit_status == EXIT_HELD:
-        held = _report(result, name).get("held", {})
-        named = ", ".join(f"{pid} ({command})" for pid, command in held.items())
+        report = _report(result, name)
+        held, why = report.get("held", {}), report.get("why", {})
+        named = ", ".join(
+            f"{pid} ({command}{': ' + why[pid] if pid in why else ''})"
+            for pid, command in held.items()
+        )
         raise FailedPrecondition(
             f"sandbox {name!r} cannot be suspended: processes in it use its GPUs: {named}; "
             "end them, or suspend with --force to have them ended",
-            details={"name": name, "processes": held},
+            details={"name": name, "processes": held, "why": why},
         )
     return _checked(result, name, "letting its GPUs go")
 
 
-def revive(run: Run, *, name: str) -> dict[str, Any]:
-    """Take up the GPUs attached to the resumed guest of sandbox ``name``;
-    FAILED_PRECONDITION saying what failed."""
-    return _checked(_run(run, ["revive"]), name, "taking its GPUs up")
+def revive(run: Run, *, name: str, gpu_memory_mib: int = 0) -> dict[str, Any]:
+    """Take up the GPUs attached to the resumed guest of sandbox ``name`` (its GPUs'
+    memory, ``gpu_memory_mib``, sets the time limit); FAILED_PRECONDITION saying what
+    failed."""
+    timeout = TIMEOUT_S + RESTORE_S_PER_GIB * gpu_memory_mib / 1024
+    return _checked(_run(run, ["revive"], timeout), name, "taking its GPUs up")
 
 
-def _run(run: Run, argv: Sequence[str]) -> ExecResult:
+def _run(run: Run, argv: Sequence[str], timeout: float) -> ExecResult:
     """The program run as root with ``argv`` (words without spaces or quotes: verbs, flags
     and hex ids)."""
-    return run("sudo -n python3 - " + " ".join(argv), stdin=program(), timeout=TIMEOUT_S)
+    return run("sudo -n python3 - " + " ".join(argv), stdin=program(), timeout=timeout)
 
 
 def _checked(result: ExecResult, name: str, doing: str) -> dict[str, Any]:

@@ -114,12 +114,19 @@ def guest_runner(run: GuestRun, record: SandboxRecord, files: SandboxFiles) -> G
 
 def let_go(run: GuestRun, record: SandboxRecord, *, force: bool) -> dict[str, object]:
     """In the guest: its GPUs let go (guest/quiesce.py); the program's report."""
-    return quiesce.quiesce(run, function_ids(record.gpus), force=force, name=record.name)
+    memory = gpu_memory_mib(record)
+    ids = function_ids(record.gpus)
+    return quiesce.quiesce(run, ids, force=force, name=record.name, gpu_memory_mib=memory)
 
 
 def take_up(run: GuestRun, record: SandboxRecord) -> dict[str, object]:
     """In the guest: the attached GPUs taken up (guest/quiesce.py); the program's report."""
-    return quiesce.revive(run, name=record.name)
+    return quiesce.revive(run, name=record.name, gpu_memory_mib=gpu_memory_mib(record))
+
+
+def gpu_memory_mib(record: SandboxRecord) -> int:
+    """The memory of the sandbox's GPUs together, MiB (what its processes could hold)."""
+    return sum(gpu.memory_mib or 0 for gpu in record.gpus)
 
 
 def attached(hypervisor: Hypervisor, domain: str) -> set[str]:

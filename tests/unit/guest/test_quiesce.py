@@ -47,3 +47,27 @@ def test_a_failure_in_the_guest_says_why_and_garbage_is_internal() -> None:
         quiesce.revive(runner(quiesce.EXIT_FAILED, {"error": "no driver took it"}), name="box")
     with pytest.raises(Internal):
         quiesce.revive(runner(0, "not json\n"), name="box")
+
+
+def test_why_a_holder_was_not_checkpointed_is_in_the_refusal() -> None:
+    why = "not checkpointed: its 7168 MiB of GPU memory needs about 7680 MiB of the guest's memory"
+    run = runner(quiesce.EXIT_HELD, {"held": {"8": "big", "9": "viewer"}, "why": {"8": why}})
+    with pytest.raises(FailedPrecondition) as caught:
+        quiesce.quiesce(run, ["10de:2330"], force=False, name="box")
+    assert f"8 (big: {why}), 9 (viewer); end them" in caught.value.message
+    assert caught.value.details["why"] == {"8": why}
+
+
+def test_the_time_limit_grows_with_the_gpu_memory_to_copy() -> None:
+    limits: list[float] = []
+
+    def run(command: str, *, stdin: bytes, timeout: float) -> ExecResult:
+        limits.append(timeout)
+        return ExecResult(0, "{}\n", "")
+
+    quiesce.quiesce(run, ["10de:2330"], force=False, name="box", gpu_memory_mib=80 * 1024)
+    quiesce.revive(run, name="box", gpu_memory_mib=80 * 1024)
+    assert limits == [
+        quiesce.TIMEOUT_S + 80 * quiesce.CHECKPOINT_S_PER_GIB,
+        quiesce.TIMEOUT_S + 80 * quiesce.RESTORE_S_PER_GIB,
+    ]

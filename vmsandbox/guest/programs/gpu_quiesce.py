@@ -12,7 +12,11 @@ functions, e.g. ``10de:2330``):
 3. the processes that hold a GPU: an open ``/dev/nvidia*`` node, or a DRM node of one of
    the functions (nvidia-persistenced aside: it is stopped below);
 4. where ``cuda-checkpoint`` is installed, each of them that runs CUDA checkpointed: its GPU
-   state goes to its own memory, it lets the GPU go, and it keeps its PID;
+   state goes to its own memory, it lets the GPU go, and it keeps its PID. Its GPU memory
+   (nvidia-smi) then takes that much of the guest's memory, and some more
+   (CHECKPOINT_OVERHEAD_MIB): one that would not fit in the guest's available memory is not
+   checkpointed (the out-of-memory killer would end it, or another process), and is named
+   with that reason in step 5;
 5. processes that still hold a GPU: ended (SIGKILL) with ``--force``; else the checkpointed
    ones are restored and the answer names them (exit 3: the suspend fails);
 6. nvidia-persistenced stopped, NVIDIA's modules unloaded (``modprobe -r``), any other driver
@@ -50,16 +54,25 @@ EXIT_FAILED = 4
 END_WAIT_S = 10.0
 DRIVER_WAIT_S = 60.0
 POLL_S = 0.2
+COMMAND_TIMEOUT_S = 120.0
+# Measured on an H100 with driver 580 (bench/gpu_checkpoint.py): a checkpointed process takes
+# its GPU memory and about 460 MiB more of host memory; checkpoint 0.63 s and restore 0.24 s
+# per GiB of GPU memory. The time limits give each step three times that.
+CHECKPOINT_OVERHEAD_MIB = 512
+CHECKPOINT_S_PER_GIB = 2.0
+RESTORE_S_PER_GIB = 1.0
 
-Run = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
+Run = Callable[..., "subprocess.CompletedProcess[str]"]  # (argv, timeout=seconds)
 
 
 class Failed(Exception):
     """A step failed; the message says which and why."""
 
 
-def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), capture_output=True, text=True, check=False, timeout=120)
+def run_command(
+    argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, check=False, timeout=timeout)
 
 
 class Guest:
@@ -104,6 +117,27 @@ class Guest:
             if bus and uuid:
                 found[bus.lower()[-12:]] = uuid
         return found
+
+    def gpu_memory(self) -> dict[int, int]:
+        """PID -> MiB of GPU memory each CUDA process uses, all GPUs together (nvidia-smi;
+        {} without it)."""
+        if not shutil.which("nvidia-smi"):
+            return {}
+        query = "--query-compute-apps=pid,used_memory"
+        done = self.run(["nvidia-smi", query, "--format=csv,noheader,nounits"])
+        found: dict[int, int] = {}
+        for line in done.stdout.splitlines() if done.returncode == 0 else []:
+            pid, _, used = (part.strip() for part in line.partition(","))
+            if pid.isdigit() and used.isdigit():
+                found[int(pid)] = found.get(int(pid), 0) + int(used)
+        return found
+
+    def available_mib(self) -> int:
+        """The guest's available memory (``MemAvailable``), MiB."""
+        for line in (self.root / "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+        return 0
 
     def nodes(self, addresses: Sequence[str]) -> set[str]:
         """The DRM device nodes of ``addresses``."""
@@ -151,22 +185,26 @@ class Guest:
         done = self.run(["cuda-checkpoint", "--help"])
         return "action" if "--action" in done.stdout + done.stderr else "toggle"
 
-    def checkpoint(self, pid: int, style: str) -> bool:
-        """Checkpoint ``pid`` if it runs CUDA; whether it was."""
+    def checkpoint(self, pid: int, style: str, memory_mib: int = 0) -> bool:
+        """Checkpoint ``pid`` (``memory_mib`` of GPU memory) if it runs CUDA; whether it was."""
         state = self.run(["cuda-checkpoint", "--get-state", "--pid", str(pid)])
         if state.returncode != 0 or state.stdout.strip() != "running":
             return False
         steps = [["--toggle"]]
         if style == "action":
             steps = [["--action", "lock"], ["--action", "checkpoint"]]
+        timeout = COMMAND_TIMEOUT_S + CHECKPOINT_S_PER_GIB * memory_mib / 1024
         for step in steps:
-            done = self.run(["cuda-checkpoint", *step, "--pid", str(pid)])
+            done = self.run(["cuda-checkpoint", *step, "--pid", str(pid)], timeout=timeout)
             if done.returncode != 0:
                 raise Failed(f"cuda-checkpoint {' '.join(step)} of process {pid}: {_said(done)}")
         return True
 
-    def restore(self, pid: int, style: str, device_map: dict[str, str]) -> None:
-        """Restore checkpointed ``pid``, its GPUs mapped from old UUIDs to new ones."""
+    def restore(
+        self, pid: int, style: str, device_map: dict[str, str], memory_mib: int = 0
+    ) -> None:
+        """Restore checkpointed ``pid`` (``memory_mib`` of GPU memory), its GPUs mapped from
+        old UUIDs to new ones."""
         moved = {old: new for old, new in device_map.items() if old != new}
         if style == "action":
             mapped = ["--device-map", ",".join(f"{o}={n}" for o, n in moved.items())]
@@ -178,8 +216,9 @@ class Guest:
             )
         else:
             steps = [["--toggle"]]
+        timeout = COMMAND_TIMEOUT_S + RESTORE_S_PER_GIB * memory_mib / 1024
         for step in steps:
-            done = self.run(["cuda-checkpoint", *step, "--pid", str(pid)])
+            done = self.run(["cuda-checkpoint", *step, "--pid", str(pid)], timeout=timeout)
             if done.returncode != 0:
                 raise Failed(f"cuda-checkpoint {' '.join(step)} of process {pid}: {_said(done)}")
 
@@ -218,18 +257,31 @@ def quiesce(guest: Guest, ids: Sequence[str], *, force: bool) -> dict[str, objec
     checkpointed: list[int] = []
     style = guest.checkpointer()
     holders = guest.holders(addresses)
+    memory = guest.gpu_memory() if style and nvidia else {}
+    why: dict[int, str] = {}
     try:
         if style:
-            checkpointed += [pid for pid in sorted(holders) if guest.checkpoint(pid, style)]
+            room = guest.available_mib()
+            for pid in sorted(holders):
+                need = memory.get(pid, 0) + CHECKPOINT_OVERHEAD_MIB
+                if pid in memory and need > room:
+                    why[pid] = (
+                        f"not checkpointed: its {memory[pid]} MiB of GPU memory needs about "
+                        f"{need} MiB of the guest's memory, {room} MiB is available"
+                    )
+                elif guest.checkpoint(pid, style, memory.get(pid, 0)):
+                    checkpointed.append(pid)
+                    room -= need
             holders = guest.holders(addresses)
         if holders and not force:
-            raise Held(holders)
+            raise Held(holders, why)
         ended = _end(guest, holders)
     except BaseException:
         for pid in checkpointed:  # they run on as before
-            guest.restore(pid, style, {})
+            guest.restore(pid, style, {}, memory.get(pid, 0))
         raise
     report["checkpointed"], report["ended"], report["style"] = checkpointed, ended, style
+    report["memory"] = {str(pid): memory[pid] for pid in checkpointed if pid in memory}
     if nvidia:
         report["persistenced"] = guest.systemctl("is-active") and guest.systemctl("stop")
         loaded = [module for module in NVIDIA_MODULES if guest.loaded(module)]
@@ -247,12 +299,14 @@ def quiesce(guest: Guest, ids: Sequence[str], *, force: bool) -> dict[str, objec
 
 
 class Held(Exception):
-    """Processes hold a GPU and were not to be ended."""
+    """Processes hold a GPU and were not to be ended; ``why`` says of some why they were not
+    checkpointed."""
 
-    def __init__(self, holders: dict[int, str]) -> None:
+    def __init__(self, holders: dict[int, str], why: dict[int, str] | None = None) -> None:
         named = (f"{pid} ({command})" for pid, command in sorted(holders.items()))
         super().__init__(", ".join(named))
         self.holders = holders
+        self.why = {pid: reason for pid, reason in (why or {}).items() if pid in holders}
 
 
 def _end(guest: Guest, holders: dict[int, str]) -> list[int]:
@@ -295,8 +349,10 @@ def revive(guest: Guest, *, wait: float = DRIVER_WAIT_S) -> dict[str, object]:
     new = guest.uuids() if old else {}
     device_map = {uuid: new.get(address, uuid) for address, uuid in old.items()}
     restored = []
+    memory: dict[str, int] = before.get("memory", {})
     for pid in before.get("checkpointed", []):
-        guest.restore(int(pid), str(before.get("style", "")), device_map)
+        style = str(before.get("style", ""))
+        guest.restore(int(pid), style, device_map, memory.get(str(pid), 0))
         restored.append(int(pid))
     guest.state.unlink()
     return {"revived": True, "loaded": loaded, "restored": restored, "device_map": device_map}
@@ -328,7 +384,8 @@ def main(argv: list[str], guest: Guest | None = None) -> int:
         else:
             raise Failed(f"usage: gpu_quiesce.py quiesce [--force] ID... | revive, got {argv!r}")
     except Held as held:
-        print(json.dumps({"held": {str(pid): c for pid, c in sorted(held.holders.items())}}))
+        named = {str(pid): command for pid, command in sorted(held.holders.items())}
+        print(json.dumps({"held": named, "why": {str(p): w for p, w in held.why.items()}}))
         return EXIT_HELD
     except (Failed, OSError, subprocess.SubprocessError, ValueError) as exc:
         print(json.dumps({"error": str(exc)}))

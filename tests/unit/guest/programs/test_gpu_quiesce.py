@@ -28,13 +28,19 @@ class Runner:
         self.root = root
         self.checkpointable = checkpointable or set()
         self.commands: list[list[str]] = []
+        self.timeouts: dict[str, float] = {}  # cuda-checkpoint action -> its time limit
         self.uuid = "GPU-old"
+        self.gpu_memory: dict[int, int] = {}  # pid -> MiB, as nvidia-smi reports it
 
-    def __call__(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    def __call__(
+        self, argv: Sequence[str], timeout: float = gpu_quiesce.COMMAND_TIMEOUT_S
+    ) -> subprocess.CompletedProcess[str]:
         argv = list(argv)
         self.commands.append(argv)
         out = ""
-        if argv[0] == "nvidia-smi":
+        if argv[0] == "nvidia-smi" and argv[1].startswith("--query-compute-apps"):
+            out = "".join(f"{pid}, {mib}\n" for pid, mib in self.gpu_memory.items())
+        elif argv[0] == "nvidia-smi":
             out = f"00000000:01:00.0, {self.uuid}\n"
         elif argv[0] == "cuda-checkpoint" and "--get-state" in argv:
             out = "running\n" if int(argv[-1]) in self.checkpointable else "unknown\n"
@@ -42,6 +48,8 @@ class Runner:
             out = "--action lock|checkpoint|restore|unlock --device-map\n"
         elif argv[0] == "cuda-checkpoint" and "checkpoint" in argv:
             (self.root / "proc" / argv[-1] / "fd" / "3").unlink()  # the GPU let go
+        if argv[0] == "cuda-checkpoint" and "--action" in argv:
+            self.timeouts[argv[argv.index("--action") + 1]] = timeout
         elif argv[0] == "modprobe" and argv[1] == "-r":
             for module in argv[2:]:
                 (self.root / "sys/module" / module).rmdir()
@@ -68,6 +76,7 @@ def guest_root(path: Path, address: str, device_id: str) -> Path:
     (path / "sys/module/nvidia").mkdir(parents=True)
     (path / "sys/module/nvidia_uvm").mkdir(parents=True)
     (path / "proc").mkdir()
+    (path / "proc/meminfo").write_text("MemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n")
     return path
 
 
@@ -96,7 +105,7 @@ def test_processes_holding_a_gpu_are_named_and_nothing_is_unloaded(
     process(root, 4242, "train")
     run = Runner(root)
     assert gpu_quiesce.main(["quiesce", ID], Guest(root, run)) == gpu_quiesce.EXIT_HELD
-    assert json.loads(capsys.readouterr().out) == {"held": {"4242": "train"}}
+    assert json.loads(capsys.readouterr().out) == {"held": {"4242": "train"}, "why": {}}
     assert not any(command[0] == "modprobe" for command in run.commands)
     assert (root / "sys/module/nvidia").is_dir()
 
@@ -127,6 +136,42 @@ def test_cuda_processes_are_checkpointed_and_restored_onto_the_new_gpu(
     assert restore[restore.index("--device-map") + 1] == "GPU-old=GPU-new"
 
 
+def test_the_checkpoint_and_restore_get_time_for_the_gpu_memory_they_copy(
+    root: Path, with_checkpoint: None
+) -> None:
+    process(root, 7, "cuda-job")
+    run = Runner(root, checkpointable={7})
+    run.gpu_memory = {7: 4096}
+    guest = Guest(root, run)
+    report = gpu_quiesce.quiesce(guest, [ID], force=False)
+    assert report["checkpointed"] == [7] and report["memory"] == {"7": 4096}
+    gpu_quiesce.revive(guest, wait=1)
+    base = gpu_quiesce.COMMAND_TIMEOUT_S
+    assert run.timeouts["checkpoint"] == base + 4 * gpu_quiesce.CHECKPOINT_S_PER_GIB
+    assert run.timeouts["restore"] == base + 4 * gpu_quiesce.RESTORE_S_PER_GIB
+
+
+def test_a_process_whose_gpu_memory_would_not_fit_in_the_guest_is_named_not_checkpointed(
+    root: Path, with_checkpoint: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    process(root, 7, "small")
+    process(root, 8, "big")
+    run = Runner(root, checkpointable={7, 8})
+    run.gpu_memory = {7: 1024, 8: 7 * 1024}  # 8 GiB available: 7 fits, then 8 does not
+    guest = Guest(root, run)
+    assert gpu_quiesce.main(["quiesce", ID], guest) == gpu_quiesce.EXIT_HELD
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["held"] == {"8": "big"}
+    assert answer["why"]["8"] == (
+        "not checkpointed: its 7168 MiB of GPU memory needs about 7680 MiB of the guest's "
+        "memory, 6656 MiB is available"
+    )
+    checkpointed = [c[-1] for c in run.commands if c[:3] == ["cuda-checkpoint", "--action", "lock"]]
+    assert checkpointed == ["7"]
+    restored = [c[-1] for c in run.commands if "restore" in c]
+    assert restored == ["7"]  # the suspend failed: the checkpointed one runs on as before
+
+
 def test_a_bad_request_is_an_error_answer(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert gpu_quiesce.main(["explode"], Guest(root, Runner(root))) == gpu_quiesce.EXIT_FAILED
     assert "usage" in json.loads(capsys.readouterr().out)["error"]
@@ -147,11 +192,15 @@ class RecordedRunner:
         self.commands: list[list[str]] = []
         self.uuids = (recording / "smi" / "uuids.out").read_text()
 
-    def __call__(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    def __call__(
+        self, argv: Sequence[str], timeout: float = gpu_quiesce.COMMAND_TIMEOUT_S
+    ) -> subprocess.CompletedProcess[str]:
         argv = list(argv)
         self.commands.append(argv)
         out = ""
-        if argv[0] == "nvidia-smi":
+        if argv[0] == "nvidia-smi" and argv[1].startswith("--query-compute-apps"):
+            out = ""  # not recorded while the counter ran: its memory counts as none
+        elif argv[0] == "nvidia-smi":
             out = self.uuids
         elif argv[:2] == ["cuda-checkpoint", "--help"]:
             out = (self.recording / "checkpoint" / "help.out").read_text()
