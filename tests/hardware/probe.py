@@ -483,6 +483,14 @@ def by_hand(probe: Probe, pid: int, log: Path) -> None:
     probe.python("checkpoint/hand-00-started", lambda: {"count": started, "fds": _fds(pid)})
     if started is None:
         return
+    probe.shell(
+        "checkpoint/hand-00-compute-apps",
+        "nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv",
+    )
+    probe.shell(
+        "checkpoint/hand-00-gpu-memory",
+        "nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits",
+    )
     probe.shell("checkpoint/hand-01-state", f"cuda-checkpoint --get-state --pid {pid}")
     probe.shell("checkpoint/hand-02-lock", f"cuda-checkpoint --action lock --pid {pid}")
     probe.shell("checkpoint/hand-03-state", f"cuda-checkpoint --get-state --pid {pid}")
@@ -533,14 +541,17 @@ def through_quiesce(probe: Probe, pid: int, log: Path) -> None:
             "style": guest.checkpointer(),
             "uuids": guest.uuids(),
             "holders_before": guest.holders(addresses),
+            "gpu_memory": guest.gpu_memory(),
+            "available_mib": guest.available_mib(),
         }
         began = time.monotonic()
-        found["checkpointed"] = guest.checkpoint(pid, found["style"])
+        memory = found["gpu_memory"].get(pid, 0)
+        found["checkpointed"] = guest.checkpoint(pid, found["style"], memory)
         found["checkpoint_s"] = round(time.monotonic() - began, 3)
         found["holders_checkpointed"] = guest.holders(addresses)
         count = _count(log)
         began = time.monotonic()
-        guest.restore(pid, found["style"], {})
+        guest.restore(pid, found["style"], {}, memory)
         found["restore_s"] = round(time.monotonic() - began, 3)
         found["counting_again"] = _wait_counting(log, count)
         found["count_before"] = count

@@ -199,7 +199,8 @@ class RecordedRunner:
         self.commands.append(argv)
         out = ""
         if argv[0] == "nvidia-smi" and argv[1].startswith("--query-compute-apps"):
-            out = ""  # not recorded while the counter ran: its memory counts as none
+            recorded = self.recording / "checkpoint" / "hand-00-gpu-memory.out"
+            out = recorded.read_text() if recorded.exists() else ""  # the H200's has none
         elif argv[0] == "nvidia-smi":
             out = self.uuids
         elif argv[:2] == ["cuda-checkpoint", "--help"]:
@@ -237,18 +238,22 @@ def test_the_recorded_tools_take_a_cuda_process_through_quiesce_and_revive(
     bus, old_uuid = (folder / "smi" / "uuids.out").read_text().strip().split(", ")
     address = bus.lower()[-12:]
     root = guest_root(tmp_path, address, "0x" + ids.split(":")[1])
-    process(root, 583, "counter", recorded_fds(folder, "hand-00-started"))
-    run = RecordedRunner(folder, root, 583)
+    seen = json.loads((folder / "checkpoint" / "quiesce.json").read_text())
+    (pid,) = (int(pid) for pid in seen["holders_before"])  # the counter's, as recorded
+    process(root, pid, "counter", recorded_fds(folder, "hand-00-started"))
+    run = RecordedRunner(folder, root, pid)
     guest = Guest(root, run)
 
     assert guest.checkpointer() == "action"
-    assert guest.holders([address]) == {583: "counter"}
+    assert guest.holders([address]) == {pid: "counter"}
+    assert guest.gpu_memory() == {int(p): mib for p, mib in seen.get("gpu_memory", {}).items()}
     report = gpu_quiesce.quiesce(guest, [ids], force=False)
-    assert report["checkpointed"] == [583] and report["ended"] == []
+    assert report["checkpointed"] == [pid] and report["ended"] == []
+    assert report["memory"] == seen.get("gpu_memory", {})
 
     run.uuids = run.uuids.replace(old_uuid, "GPU-new")  # resumed onto another card
     revived = gpu_quiesce.revive(guest, wait=1)
-    assert revived["restored"] == [583] and revived["device_map"] == {old_uuid: "GPU-new"}
+    assert revived["restored"] == [pid] and revived["device_map"] == {old_uuid: "GPU-new"}
     steps = [c[1:3] for c in run.commands if c[0] == "cuda-checkpoint" and c[1] == "--action"]
     assert steps == [["--action", a] for a in ("lock", "checkpoint", "restore", "unlock")]
     restore = next(c for c in run.commands if "restore" in c)
