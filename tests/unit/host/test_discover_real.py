@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from framework import paths
+from framework.fake_hosts import probe
 
 from vmsandbox.host import pci_ids, pcistate
 from vmsandbox.host.bars import parse_resource, prefetchable_64bit_total
@@ -72,3 +73,27 @@ def test_discover_named_the_gpu_from_nvml_and_refused_it_without_an_iommu(
     assert (gpu["name"], gpu["memory_mib"], gpu["memory_source"]) == (name, memory, "nvml")
     assert gpu["driver"] == "nvidia" and gpu["numa_node"] is None
     assert not gpu["bindable"] and "IOMMU is off" in gpu["reasons"][0]
+
+
+def test_discover_on_a_fake_host_made_of_the_recorded_sysfs_gives_the_recorded_inventory() -> None:
+    """tests/fixtures/hosts/real_h100.umockdev carries the recorded GPU's attributes: the
+    inventory discover makes of it under umockdev is the one it made on the real machine
+    (pyudev reading the fake sysfs as it read the real one)."""
+    real = recorded(H100, "inventory")
+    (gpu,) = real["gpus"]
+    nvml = {
+        "devices": [
+            {
+                "bus_id": "00000000:00:06.0",
+                "name": gpu["name"],
+                "memory_mib": gpu["memory_mib"],
+                "uuid": gpu["uuid"],
+                "pids": [],
+            }
+        ]
+    }
+    (result,) = probe("real_h100", [{"nvml": nvml, "proc_root": "/nonexistent"}])
+    # The recording machine had no pci.ids, so NVML named the GPU; a machine with one (as
+    # this one may be) names it after pci.ids first.
+    gpu["name"] = pci_ids.device_name("0x10de", "0x2330") or gpu["name"]
+    assert result["inventory"] == real
