@@ -22,10 +22,13 @@ ID = "10de:2330"
 
 
 class Runner:
-    """Answers commands as the guest's tools would; records them."""
+    """Answers commands as the guest's tools would; records them. modprobe loads and unloads
+    the fake modules (and binds the GPU at ``address`` to nvidia again)."""
 
-    def __init__(self, root: Path, *, checkpointable: set[int] | None = None) -> None:
-        self.root = root
+    def __init__(
+        self, root: Path, *, checkpointable: set[int] | None = None, address: str = ADDRESS
+    ) -> None:
+        self.root, self.address = root, address
         self.checkpointable = checkpointable or set()
         self.commands: list[list[str]] = []
         self.timeouts: dict[str, float] = {}  # cuda-checkpoint action -> its time limit
@@ -37,28 +40,35 @@ class Runner:
     ) -> subprocess.CompletedProcess[str]:
         argv = list(argv)
         self.commands.append(argv)
-        out = ""
-        if argv[0] == "nvidia-smi" and argv[1].startswith("--query-compute-apps"):
-            out = "".join(f"{pid}, {mib}\n" for pid, mib in self.gpu_memory.items())
-        elif argv[0] == "nvidia-smi":
-            out = f"00000000:01:00.0, {self.uuid}\n"
-        elif argv[0] == "cuda-checkpoint" and "--get-state" in argv:
-            out = "running\n" if int(argv[-1]) in self.checkpointable else "unknown\n"
-        elif argv[0] == "cuda-checkpoint" and "--help" in argv:
-            out = "--action lock|checkpoint|restore|unlock --device-map\n"
-        elif argv[0] == "cuda-checkpoint" and "checkpoint" in argv:
-            (self.root / "proc" / argv[-1] / "fd" / "3").unlink()  # the GPU let go
         if argv[0] == "cuda-checkpoint" and "--action" in argv:
             self.timeouts[argv[argv.index("--action") + 1]] = timeout
-        elif argv[0] == "modprobe" and argv[1] == "-r":
-            for module in argv[2:]:
+        if argv[0] == "modprobe":
+            self.modprobe(argv[1:])
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        return subprocess.CompletedProcess(argv, 0, self.answer(argv), "")
+
+    def answer(self, argv: list[str]) -> str:
+        if argv[0] == "nvidia-smi" and argv[1].startswith("--query-compute-apps"):
+            return "".join(f"{pid}, {mib}\n" for pid, mib in self.gpu_memory.items())
+        if argv[0] == "nvidia-smi":
+            return f"00000000:01:00.0, {self.uuid}\n"
+        if argv[0] == "cuda-checkpoint" and "--get-state" in argv:
+            return "running\n" if int(argv[-1]) in self.checkpointable else "unknown\n"
+        if argv[0] == "cuda-checkpoint" and "--help" in argv:
+            return "--action lock|checkpoint|restore|unlock --device-map\n"
+        if argv[0] == "cuda-checkpoint" and "checkpoint" in argv:
+            (self.root / "proc" / argv[-1] / "fd" / "3").unlink()  # the GPU let go
+        return ""
+
+    def modprobe(self, args: list[str]) -> None:
+        if args[0] == "-r":
+            for module in args[1:]:
                 (self.root / "sys/module" / module).rmdir()
-        elif argv[0] == "modprobe":
-            (self.root / "sys/module" / argv[1]).mkdir()
-            driver = self.root / "sys/bus/pci/devices" / ADDRESS / "driver"
-            if not driver.is_symlink():
-                driver.symlink_to("../../../bus/pci/drivers/nvidia")
-        return subprocess.CompletedProcess(argv, 0, out, "")
+            return
+        (self.root / "sys/module" / args[0]).mkdir()
+        driver = self.root / "sys/bus/pci/devices" / self.address / "driver"
+        if not driver.is_symlink():
+            driver.symlink_to("../../../bus/pci/drivers/nvidia")
 
 
 @pytest.fixture
@@ -182,46 +192,36 @@ def test_a_bad_request_is_an_error_answer(root: Path, capsys: pytest.CaptureFixt
 RECORDINGS = Path(__file__).parents[3] / "fixtures" / "real"
 
 
-class RecordedRunner:
+class RecordedRunner(Runner):
     """Answers with the outputs the probe recorded: cuda-checkpoint's help and states, the
-    UUID query; a checkpoint leaves the process the file descriptors it had then."""
+    UUID and GPU memory queries; a checkpoint leaves the process the file descriptors it had
+    then."""
 
-    def __init__(self, recording: Path, root: Path, pid: int) -> None:
-        self.recording, self.root, self.pid = recording, root, pid
+    def __init__(self, recording: Path, root: Path, pid: int, address: str) -> None:
+        super().__init__(root, address=address)
+        self.recording, self.pid = recording, pid
         self.state = "running"
-        self.commands: list[list[str]] = []
         self.uuids = (recording / "smi" / "uuids.out").read_text()
 
-    def __call__(
-        self, argv: Sequence[str], timeout: float = gpu_quiesce.COMMAND_TIMEOUT_S
-    ) -> subprocess.CompletedProcess[str]:
-        argv = list(argv)
-        self.commands.append(argv)
-        out = ""
+    def answer(self, argv: list[str]) -> str:
         if argv[0] == "nvidia-smi" and argv[1].startswith("--query-compute-apps"):
             recorded = self.recording / "checkpoint" / "hand-00-gpu-memory.out"
-            out = recorded.read_text() if recorded.exists() else ""  # the H200's has none
-        elif argv[0] == "nvidia-smi":
-            out = self.uuids
-        elif argv[:2] == ["cuda-checkpoint", "--help"]:
-            out = (self.recording / "checkpoint" / "help.out").read_text()
-        elif argv[:2] == ["cuda-checkpoint", "--get-state"]:
-            out = self.state + "\n"
-        elif argv[:2] == ["cuda-checkpoint", "--action"]:
+            return recorded.read_text() if recorded.exists() else ""  # the H200's has none
+        if argv[0] == "nvidia-smi":
+            return self.uuids
+        if argv[:2] == ["cuda-checkpoint", "--help"]:
+            return (self.recording / "checkpoint" / "help.out").read_text()
+        if argv[:2] == ["cuda-checkpoint", "--get-state"]:
+            return self.state + "\n"
+        if argv[:2] == ["cuda-checkpoint", "--action"]:
             after = {"lock": "locked", "checkpoint": "checkpointed", "restore": "locked"}
             self.state = after.get(argv[2], "running")
             if argv[2] == "checkpoint":
-                fds = self.root / "proc" / str(self.pid) / "fd"
                 kept = set(recorded_fds(self.recording, "hand-06-checkpointed"))
-                for fd in fds.iterdir():
+                for fd in (self.root / "proc" / str(self.pid) / "fd").iterdir():
                     if str(fd.readlink()) not in kept:
                         fd.unlink()
-        elif argv[0] == "modprobe" and argv[1] == "-r":
-            for module in argv[2:]:
-                (self.root / "sys/module" / module).rmdir()
-        elif argv[0] == "modprobe":
-            (self.root / "sys/module" / argv[1]).mkdir()
-        return subprocess.CompletedProcess(argv, 0, out, "")
+        return ""
 
 
 def recorded_fds(recording: Path, step: str) -> list[str]:
@@ -241,7 +241,7 @@ def test_the_recorded_tools_take_a_cuda_process_through_quiesce_and_revive(
     seen = json.loads((folder / "checkpoint" / "quiesce.json").read_text())
     (pid,) = (int(pid) for pid in seen["holders_before"])  # the counter's, as recorded
     process(root, pid, "counter", recorded_fds(folder, "hand-00-started"))
-    run = RecordedRunner(folder, root, pid)
+    run = RecordedRunner(folder, root, pid, address)
     guest = Guest(root, run)
 
     assert guest.checkpointer() == "action"

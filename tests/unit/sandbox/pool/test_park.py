@@ -195,6 +195,14 @@ def left_running(manager: SandboxManager, config: Config) -> str:
     return guest
 
 
+def change_hold(manager: SandboxManager, **changes: Any) -> None:
+    """The pool's one hold changed, under the lock, as another call would change it."""
+    with manager.locked():
+        holds = Holds(manager.config)
+        (hold,) = holds.all().values()
+        holds.put(replace(hold, **changes))
+
+
 def test_a_guest_left_running_is_parked_by_the_next_fill_once_there_is_room(
     manager: SandboxManager, config: Config, hv: FakeHypervisor, left_running: str
 ) -> None:
@@ -210,10 +218,7 @@ def test_a_guest_left_running_is_parked_by_the_next_fill_once_there_is_room(
 def test_a_guest_being_claimed_is_not_parked(
     manager: SandboxManager, config: Config, hv: FakeHypervisor, left_running: str
 ) -> None:
-    with manager.locked():
-        holds = Holds(config)
-        (hold,) = holds.all().values()
-        holds.put(replace(hold, owner=OTHER, doing="claim"))
+    change_hold(manager, owner=OTHER, doing="claim")
     assert park.park_waiting(config, hv, manager.locked, manager.pool.guests(), print) == []
     dom = hv.domains[f"vmsbx-{left_running}"]
     assert (dom.running, dom.saved) == (True, None)
@@ -234,9 +239,6 @@ def test_a_save_that_fails_leaves_the_guest_running_and_claimable(
 def test_a_park_killed_halfway_leaves_the_guest_to_reconcile(
     manager: SandboxManager, config: Config, hv: FakeHypervisor, left_running: str
 ) -> None:
-    with manager.locked():
-        holds = Holds(config)
-        (hold,) = holds.all().values()
-        holds.put(replace(hold, owner=DEAD, doing="park", saved_bytes=256 * MIB))
+    change_hold(manager, owner=DEAD, doing="park", saved_bytes=256 * MIB)
     manager.reconcile()
     assert hv.domains == {} and Holds(config).all() == {}
