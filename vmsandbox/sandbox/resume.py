@@ -73,6 +73,10 @@ SSH_TIMEOUT_S = 120.0
 QUICK_S = 10.0
 QUICK_POLL_S = 0.1
 WAKE_S = 2.0  # how long the control channel's ``wake`` may take (``_woken``)
+# How long a restored guest's channel may read "disconnected" before it is taken for closed
+# (``_channel_open``), and how often it is read again meanwhile.
+CHANNEL_WAIT_S = 0.5
+CHANNEL_POLL_S = 0.02
 
 
 def resume(
@@ -277,7 +281,7 @@ def reach(
     if (
         record.ssh.port is not None
         and files.control.exists()
-        and hypervisor.channel_state(record.domain, CONTROL_PORT, uuid=uuid) != "disconnected"
+        and _channel_open(hypervisor, record.domain, uuid)
         and _woken(files, claim)
     ):
         if not claim:
@@ -303,6 +307,21 @@ class Reached(NamedTuple):
 
     seconds: float
     claimed: bool = False
+
+
+def _channel_open(hypervisor: Hypervisor, domain: str, uuid: str) -> bool:
+    """Whether libvirt says the restored guest has its control channel's port open. libvirt
+    reads the port closed while QEMU starts, before the guest's memory is loaded, and learns
+    that it is open from QEMU's event once the guest runs, handled by a libvirt worker: on a
+    busy host a read right after the restore still said "disconnected" and the resume set
+    the clock over SSH (2.4 s instead of 1.1). So "disconnected" is read again for up to
+    CHANNEL_WAIT_S before the guest is taken for one whose channel was closed."""
+    deadline = time.monotonic() + CHANNEL_WAIT_S
+    while True:
+        state = hypervisor.channel_state(domain, CONTROL_PORT, uuid=uuid)
+        if state != "disconnected" or time.monotonic() >= deadline:
+            return state != "disconnected"
+        time.sleep(CHANNEL_POLL_S)
 
 
 def _woken(files: SandboxFiles, claim: str = "") -> bool:

@@ -2,7 +2,8 @@
 """vmsandbox's control channel in the guest: the request a pool claim makes, without SSH.
 
 Baked into the project's own images as /usr/lib/vmsandbox/control.py (compiled there to
-control.pyc) and run as root by ``vmsandbox-control.service`` once sshd has started. It serves
+control.pyc) and run as root by ``vmsandbox-control.service`` once sshd has started, real-time
+(SCHED_FIFO, lowest priority: images/common/control.sh says why). It serves
 the virtio-serial port named ``org.vmsandbox.control.0``, whose host end is a socket in the
 sandbox's private folder that only vmsandbox (root) opens. A claim of a pooled guest writes its
 new hostname through it: a few milliseconds, where an SSH login, a shell and sudo took half a
