@@ -47,6 +47,12 @@ class PrivateLibvirtd:
         (self.base / "etc" / "qemu").mkdir()
         # QEMU's capabilities cache: without it the first start probes QEMU for seconds.
         shutil.copytree("/var/cache/libvirt", self.base / "cache", dirs_exist_ok=True)
+        self._namespace()
+        self.start()
+
+    def _namespace(self) -> None:
+        """virtlogd in a mount namespace of its own with the private folders bound in; it
+        keeps the namespace alive for libvirtd. Returns once its pid file is written."""
         mounts = " && ".join(
             f"mount --bind {self.base / src} {dst}" for src, dst in PRIVATE_DIRS.items()
         )
@@ -56,11 +62,19 @@ class PrivateLibvirtd:
             check=True,
             timeout=30,
         )
-        self.start()
+        deadline = time.monotonic() + 10
+        while self.pid("virtlogd") is None:
+            assert time.monotonic() < deadline, "private virtlogd wrote no pid file"
+            time.sleep(0.05)
 
     def start(self) -> None:
-        """Start libvirtd in the namespace that virtlogd keeps alive; wait until it answers."""
+        """Start libvirtd in the namespace that virtlogd keeps alive (a new one, with the
+        same folders, if virtlogd has gone: seen in full runs, cause not known); wait until it
+        answers."""
         holder = self.pid("virtlogd")
+        if holder is None or not _running(holder):
+            self._namespace()
+            holder = self.pid("virtlogd")
         assert holder is not None
         pidfile = self.base / "libvirtd.pid"
         subprocess.run(
