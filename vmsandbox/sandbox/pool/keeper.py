@@ -244,8 +244,9 @@ class WarmPool:
                 if not mine:
                     return made
                 made += self._fill_all(say, poll)
-                m = self.manager
-                park_waiting(self.config, m.hypervisor, m.locked, self.guests(), say)
+                if any(shape.park for shape in self.config.pool):  # else no guest to list
+                    m = self.manager
+                    park_waiting(self.config, m.hypervisor, m.locked, self.guests(), say)
             # a claim after this filler's last look is made up (a park that failed is not
             # tried again at once)
             if not self._room_left(parks=False):
