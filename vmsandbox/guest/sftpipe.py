@@ -49,6 +49,7 @@ class OpenSshPipe:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in = self.proc.stdin.fileno()
         self._out = self.proc.stdout.fileno()
+        self._said: str | None = None  # ssh's standard error, once read (``_last_words``)
 
     def send(self, data: bytes) -> int:
         try:
@@ -70,11 +71,21 @@ class OpenSshPipe:
         return "ssh -s sftp"
 
     def why(self) -> str:
-        """What ssh said on its way out (its last lines), once it has ended."""
-        if self.alive() or self.proc.stderr is None:
+        """What ssh said on its way out (its last line), once it has ended; also after
+        ``close``."""
+        if self.alive():
             return "the ssh process is still running"
-        text = self.proc.stderr.read().decode(errors="replace").strip()
+        text = self._last_words()
         return text.splitlines()[-1] if text else f"ssh exited with status {self.proc.returncode}"
+
+    def _last_words(self) -> str:
+        """ssh's standard error, read once it has ended and kept (``close`` reads it before
+        it closes the pipe)."""
+        if self._said is None:
+            stream = self.proc.stderr
+            raw = b"" if stream is None or stream.closed else stream.read()
+            self._said = raw.decode(errors="replace").strip()
+        return self._said
 
     def close(self) -> None:
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -87,6 +98,7 @@ class OpenSshPipe:
             self.proc.kill()
             self.proc.wait()
         if self.proc.stderr is not None:
+            self._last_words()
             self.proc.stderr.close()
 
 
