@@ -10,9 +10,9 @@ console says when sshd runs is knocked at only once it has said so: a reader nev
 guest still booting. A sandbox with GPUs is left to ``start``, which waits for it and checks
 its GPUs from inside, as ``ready`` promises.
 
-``require_running`` is the check of the commands that need a running guest (exec, ssh,
-verify): a stopped or never-started sandbox is FAILED_PRECONDITION saying how to start it,
-not a connection error.
+``require_running`` is the check of the commands that need a running guest (exec, ssh, cp,
+forward, verify): a stopped, never-started or suspended sandbox is FAILED_PRECONDITION saying
+how to start or resume it, not a connection error.
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ from vmsandbox.sandbox.record import (
     STATE_PARKED,
     STATE_POOLED,
     STATE_READY,
+    STATE_RESUMING,
     STATE_STARTED,
     STATE_STOPPED,
+    STATE_SUSPENDED,
+    STATE_SUSPENDING,
     SandboxFiles,
 )
 from vmsandbox.sandbox.store import Found, SandboxStore
@@ -95,6 +98,9 @@ def require_running(sandbox: Sandbox, doing: str) -> None:
         STATE_CREATING: "it is still being created",
         STATE_POOLED: "it is a warm-pool guest that no create has claimed",
         STATE_PARKED: "it is a parked warm-pool guest that no create has claimed",
+        STATE_SUSPENDED: f"it is suspended; resume it with 'vmsandbox resume {name}'",
+        STATE_SUSPENDING: "it is being suspended",
+        STATE_RESUMING: "it is being resumed; try again once its resume has returned",
     }.get(sandbox.state)
     if why is not None:
         raise FailedPrecondition(

@@ -72,6 +72,22 @@ def test_a_suspended_sandbox_is_saved_not_running_and_shown_suspended(
     assert record(hv).suspended is not None
 
 
+def test_using_a_suspended_sandbox_says_how_to_resume_it(manager: SandboxManager) -> None:
+    """exec, cp, forward and ssh of a suspended sandbox used to try its closed SSH port:
+    UNAVAILABLE ("Unable to connect"), and cp an internal error."""
+    made(manager)
+    manager.suspend("box")
+    for call in (
+        lambda: manager.exec("box", ["true"]),
+        lambda: manager.upload("box", b"data", "/tmp/data"),
+        lambda: manager.ssh_argv("box"),
+        lambda: manager.verify("box"),
+    ):
+        with pytest.raises(FailedPrecondition, match="resume it with 'vmsandbox resume box'") as e:
+            call()
+        assert e.value.details == {"name": "box", "state": "suspended"}
+
+
 def test_suspend_is_idempotent(manager: SandboxManager, hv: FakeHypervisor) -> None:
     made(manager)
     manager.suspend("box")
