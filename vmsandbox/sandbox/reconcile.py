@@ -33,8 +33,10 @@ leased to a UUID that is neither a domain nor a reservation, or to a sandbox who
 reservation does not name it (a suspended sandbox, or one settled with none of its GPUs in
 the guest), is deactivated, decided from the ledger and the reservations read in one hold of
 the lock (a create or resume reserves before it leases, a suspend forgets the partition only
-after its lease), and deactivated after it (gpu/fabric/lease.py). Fabric Manager unreachable is a
-problem reported, not an error: the leases stay for the next reconcile. Then the GPUs'
+after its lease), and deactivated after it (gpu/fabric/lease.py); so is a stray, a partition
+FM has active that no lease, reservation or domain explains (a killed create's activation that
+landed late), leased first under the lock. Fabric Manager unreachable is a problem reported,
+not an error: the leases stay for the next reconcile. Then the GPUs'
 custody (sandbox/custody.py): GPUs released above or left sanitizing are sanitized, and GPUs
 of sandboxes gone another way are released and sanitized.
 """
@@ -58,7 +60,7 @@ from vmsandbox.sandbox.record import (
     SandboxFiles,
     SandboxRecord,
 )
-from vmsandbox.sandbox.reserve import HostView
+from vmsandbox.sandbox.reserve import HostView, taken
 from vmsandbox.sandbox.suspend import settle as settle_save
 from vmsandbox.sandbox.teardown import finish
 from vmsandbox.validate import validate_name
@@ -101,10 +103,11 @@ def reconcile(hypervisor: Hypervisor, config: Config, lock: Lock) -> Report:
                 report.removed.append(remains.name)
             except VmSandboxError as exc:
                 report.problems.append(f"{remains.name}: {exc.message}")
-        if leased:  # most hosts have no fabric: no more work for them
-            _fabric(config, view, lock, report)
-            left = {lease.partition for lease in FabricLease(config).leases()}
-            report.fabric_partitions = sorted(leased - left)
+        fabric = FabricLease(config)
+        if leased or fabric.ledger.is_dir():  # most hosts never leased: no more work for them
+            strays = _fabric(fabric, view, lock, report)
+            left = {lease.partition for lease in fabric.leases()}
+            report.fabric_partitions = sorted((leased | set(strays)) - left)
         report.problems += custody.reconcile(config, lock, view.domains)
     finally:
         owner.end()
@@ -218,11 +221,17 @@ def _backfill(config: Config, record: SandboxRecord, stored: Stored) -> Hold:
     )
 
 
-def _fabric(config: Config, view: HostView, lock: Lock, report: Report) -> None:
+def _fabric(fabric: FabricLease, view: HostView, lock: Lock, report: Report) -> list[int]:
     """Deactivate partitions leased to a UUID that is neither a domain nor a reservation, or
     to a sandbox whose settled reservation names another partition or none (suspended, or
-    settled with none of the partition's GPUs in its guest)."""
-    fabric = FabricLease(config)
+    settled with none of the partition's GPUs in its guest), and the strays (FM's active
+    partitions nothing here explains, lease.py); the strays' ids."""
+    config = fabric.config
+    unchecked = ""
+    try:  # read before the lock (fmpm is slow); a stray must still be one under it
+        active = fabric.fmpm().list().active()
+    except VmSandboxError as exc:
+        active, unchecked = (), f"fabric partitions not checked for strays: {exc.message}"
     # Reservations and ledger read in one hold (fresh: the view still lists the domains taken
     # apart above, tombstones say which): a lease the reservations do not explain is not one
     # a create wrote since, since a create reserves before it leases.
@@ -234,7 +243,13 @@ def _fabric(config: Config, view: HostView, lock: Lock, report: Report) -> None:
         names |= {hold.stem for hold in reserved.values()}
         settled = {uuid: hold.partition for uuid, hold in reserved.items() if hold.owner is None}
         orphans = fabric.orphans(live, names, settled)
-    report.problems += fabric.release_orphans(orphans)
+        strays: list[int] = []
+        if active:
+            now = taken(view, holds)
+            strays = fabric.claim_strays(active, now.partitions, now.holders)
+    problems = fabric.release_orphans([*orphans, *strays])
+    report.problems += problems or ([unchecked] if unchecked else [])  # FM down: said once
+    return strays
 
 
 def names_on_disk(config: Config) -> set[str]:

@@ -397,8 +397,13 @@ def test_fm_down_at_destroy_keeps_the_lease_for_reconcile(
     report = fm_manager.reconcile()
     assert report["fabric_partitions"] == [] and "cannot be reached" in report["problems"][0]
     (fm / "unreachable").unlink()
-    assert fm_manager.reconcile() == {"removed": [], "problems": [], "fabric_partitions": ["4"]}
-    assert json.loads((fm / "active.json").read_text()) == [1] and ledger(config) == []
+    # 4 is the lease kept; 1, active with no lease and none of its GPUs held, is a stray
+    assert fm_manager.reconcile() == {
+        "removed": [],
+        "problems": [],
+        "fabric_partitions": ["1", "4"],
+    }
+    assert json.loads((fm / "active.json").read_text()) == [] and ledger(config) == []
 
 
 def test_reconcile_releases_only_leases_whose_domain_is_gone(

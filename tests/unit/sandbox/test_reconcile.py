@@ -164,7 +164,9 @@ def test_a_lease_written_while_reconcile_looks_is_never_taken_for_an_orphan(
             hold = Hold(NEW_UUID, "new", "new", partition=4, owner=creator.identity)
             Holds(config).put(replace(hold, doing="create"))
         write_lease(config, 4, NEW_UUID, "new")  # FabricLease.activate: lease, then fmpm -a
+        (fm / "active.json").write_text("[1, 4]")
 
+    (fm / "active.json").write_text("[1]")  # 4 is not active before the create activates it
     lock = between(config, 2, create_leases_partition_4)
     try:
         report = reconcile(manager.hypervisor, config, lock)
@@ -173,3 +175,60 @@ def test_a_lease_written_while_reconcile_looks_is_never_taken_for_an_orphan(
     assert report.fabric_partitions == [] and report.problems == []
     assert json.loads((fm / "active.json").read_text()) == [1, 4]
     assert (config.state_dir / "fabric" / "4.json").exists()
+
+
+def _unit_on_partition_1(manager: SandboxManager, config: Config) -> str:
+    """A sandbox holding partition 1, leased (the host has a fabric ledger)."""
+    unit = manager.create(spec("unit"), wait=False)
+    with manager.locked():
+        hold = Holds(config).get(unit.uuid)
+        assert hold is not None
+        Holds(config).put(replace(hold, partition=1))
+    write_lease(config, 1, unit.uuid, "unit")
+    return unit.uuid
+
+
+def test_a_partition_active_with_no_lease_is_deactivated(
+    manager: SandboxManager, config: Config, fm: Path
+) -> None:
+    """Partition 4 is active and nothing here explains it: a create killed while fmpm
+    activated it, whose lease reconcile released while FM still worked (the partition not
+    active yet), then the activation landed. It used to stay active, taken from allocation,
+    for good."""
+    _unit_on_partition_1(manager, config)
+    report = reconcile(manager.hypervisor, config, manager.locked)
+    assert report.fabric_partitions == [4] and report.problems == []
+    assert json.loads((fm / "active.json").read_text()) == [1]
+    assert sorted(p.name for p in (config.state_dir / "fabric").iterdir()) == ["1.json"]
+
+
+def test_an_active_partition_a_create_has_reserved_is_no_stray(
+    manager: SandboxManager, config: Config, fm: Path
+) -> None:
+    """A create reserved partition 4 (its hold) and FM shows it active before the create's
+    lease is read: the create's partition, left active and unleased by reconcile."""
+    _unit_on_partition_1(manager, config)
+    creator = Ownership(owners_folder(config))
+    try:
+        with manager.locked():
+            hold = Hold(NEW_UUID, "new", "new", partition=4, owner=creator.identity)
+            Holds(config).put(replace(hold, doing="create"))
+        report = reconcile(manager.hypervisor, config, manager.locked)
+    finally:
+        creator.end()
+    assert report.fabric_partitions == [] and report.problems == []
+    assert json.loads((fm / "active.json").read_text()) == [1, 4]
+    assert not (config.state_dir / "fabric" / "4.json").exists()
+
+
+def test_strays_are_not_looked_for_while_fabric_manager_cannot_be_reached(
+    manager: SandboxManager, config: Config, fm: Path
+) -> None:
+    _unit_on_partition_1(manager, config)
+    (fm / "unreachable").touch()
+    report = reconcile(manager.hypervisor, config, manager.locked)
+    assert report.fabric_partitions == []
+    assert any("not checked for strays" in problem for problem in report.problems)
+    (fm / "unreachable").unlink()
+    assert json.loads((fm / "active.json").read_text()) == [1, 4]
+    assert sorted(p.name for p in (config.state_dir / "fabric").iterdir()) == ["1.json"]

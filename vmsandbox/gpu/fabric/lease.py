@@ -15,6 +15,11 @@ back: the entry is one its suspend could not deactivate), deciding which from th
 the reservations read in one hold of the host lock (``orphans``): a create or a resume writes
 its reservation before its lease, and a suspend forgets the partition in its reservation only
 after its lease, so a lease that the reservations do not explain is never one in use.
+A partition FM has active that nothing of vmsandbox explains (no lease, no reservation or
+domain naming it, none of its GPUs held by a domain) is a stray: an fmpm activation whose
+create was killed can land after reconcile released its lease (FM was still activating it).
+Reconcile leases each stray under the lock (``claim_strays``, UUID ``STRAY``) and deactivates
+it like an orphan; a reconcile killed halfway leaves that lease, an orphan for the next one.
 An entry counts as taken for the allocation until it is removed (``vmsandbox.sandbox.reserve``),
 so the partition of an orphan is not handed to a new sandbox while reconcile deactivates it.
 The domain's record carries the partition id too (``fabric_partition``), for the user to see.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +43,9 @@ from vmsandbox.gpu.fabric.version import check_driver_matches, fm_version
 
 if TYPE_CHECKING:
     from vmsandbox.gpu.fabric.fmpm import Fmpm
+    from vmsandbox.gpu.fabric.partitions import Partition
+
+STRAY = "stray"  # the UUID of a stray's lease (claim_strays): never a domain's
 
 
 @dataclass(frozen=True)
@@ -81,12 +89,7 @@ class FabricLease:
         release, since FM may have activated the partition all the same."""
         fm = self.config.fm_version or fm_version(self.config.fabric_manager)
         check_driver_matches(image, image_driver, fm)
-        self.ledger.mkdir(mode=0o700, parents=True, exist_ok=True)
-        entry = self._entry(partition_id)
-        partial = entry.with_suffix(".partial")
-        data = {"partition": partition_id, "uuid": uuid, "sandbox": sandbox}
-        partial.write_text(json.dumps(data) + "\n")
-        os.replace(partial, entry)
+        entry = self._write(partition_id, uuid, sandbox)
         try:
             self.fmpm().activate(partition_id)
         except FailedPrecondition:
@@ -124,6 +127,28 @@ class FabricLease:
             if (lease.uuid not in alive if lease.uuid else lease.sandbox not in named)
             or (lease.uuid in kept and kept[lease.uuid] != lease.partition)
         ]
+
+    def claim_strays(
+        self,
+        active: Iterable[Partition],
+        taken: Container[int],
+        holders: Container[str],
+    ) -> list[int]:
+        """Under the host lock: the partitions of ``active`` (FM's, read before the lock)
+        that no lease and nothing ``taken`` names (reservations, domain records) and none of
+        whose GPUs a domain holds (``holders``: BDFs), each given a lease of UUID STRAY so
+        that no create takes it while ``release_orphans`` deactivates it."""
+        leased = {lease.partition for lease in self.leases()}
+        strays = [
+            partition.id
+            for partition in active
+            if partition.id not in leased
+            and partition.id not in taken
+            and not any(bdf in holders for bdf in partition.bdfs)
+        ]
+        for partition_id in strays:
+            self._write(partition_id, STRAY, "(active with no lease)")
+        return strays
 
     def release_orphans(self, orphans: Iterable[int]) -> list[str]:
         """Deactivate and forget the partitions ``orphans`` decided (outside the host lock:
@@ -165,6 +190,16 @@ class FabricLease:
                     if partition_id in {p.id for p in fmpm.list().active()}:
                         raise
             self._entry(partition_id).unlink(missing_ok=True)
+
+    def _write(self, partition_id: int, uuid: str, sandbox: str) -> Path:
+        """The ledger entry of ``partition_id``, written whole (a reader never sees half)."""
+        self.ledger.mkdir(mode=0o700, parents=True, exist_ok=True)
+        entry = self._entry(partition_id)
+        partial = entry.with_suffix(".partial")
+        data = {"partition": partition_id, "uuid": uuid, "sandbox": sandbox}
+        partial.write_text(json.dumps(data) + "\n")
+        os.replace(partial, entry)
+        return entry
 
     def _entry(self, partition_id: int) -> Path:
         return self.ledger / f"{partition_id}.json"
