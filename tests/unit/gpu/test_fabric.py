@@ -20,7 +20,7 @@ from vmsandbox.config import Config
 from vmsandbox.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from vmsandbox.gpu.fabric import render, state
 from vmsandbox.gpu.fabric.fmpm import Fmpm
-from vmsandbox.gpu.fabric.lease import FabricLease, Lease
+from vmsandbox.gpu.fabric.lease import STRAY, FabricLease, Lease
 from vmsandbox.gpu.fabric.mode import FULL_PASSTHROUGH, NONE, SHARED, VGPU, FabricMode, detect
 from vmsandbox.gpu.fabric.partitions import parse_partition_list
 from vmsandbox.gpu.fabric.policy import allocate
@@ -502,3 +502,20 @@ def test_a_lease_its_settled_reservation_does_not_name_is_an_orphan(
     assert lease.orphans(live, (), {"uuid-train": 3}) == []  # box at work: not judged
     assert lease.orphans(live, (), {"uuid-box": None, "uuid-train": 3}) == [4]
     assert lease.orphans(live, (), {"uuid-box": 5, "uuid-train": 3}) == [4]
+
+
+def test_strays_are_leased_unless_named_or_their_gpus_are_held(fm: Path, tmp_path: Path) -> None:
+    """FM has 1, 4 and 7 active and nothing leased: 1 is named (a reservation), a domain holds
+    a GPU of 4; only 7 is a stray, leased as one until it is deactivated."""
+    config = Config.load("/nonexistent", state_dir=str(tmp_path / "state"), fmpm=str(FAKE_FMPM))
+    (fm / "active.json").write_text("[1, 4, 7]")
+    table = fmpm().list()
+    four, seven = table.by_id(4), table.by_id(7)
+    assert four is not None and seven is not None
+    held_gpu = sorted(four.bdfs)[0]
+    lease = FabricLease(config)
+    assert lease.claim_strays(table.active(), {1}, {held_gpu: "vmsbx-other"}) == [7]
+    assert lease.leases() == [Lease(7, STRAY, "(active with no lease)")]
+    assert lease.orphans({"uuid-any"}) == [7]  # a stray's lease is never a live sandbox's
+    assert lease.release_orphans([7]) == [] and lease.leases() == []
+    assert json.loads((fm / "active.json").read_text()) == [1, 4]
