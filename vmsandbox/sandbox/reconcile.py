@@ -92,7 +92,8 @@ def reconcile(hypervisor: Hypervisor, config: Config, lock: Lock) -> Report:
     any libvirt error while reading it propagates before anything is decided."""
     view = HostView(tuple(hypervisor.every_domain()))
     report = Report()
-    leased = {lease.partition for lease in FabricLease(config).leases()}
+    fabric = FabricLease(config)
+    leased = {lease.partition for lease in fabric.leases()}
     owner = own(config)
     try:
         with lock():
@@ -103,8 +104,7 @@ def reconcile(hypervisor: Hypervisor, config: Config, lock: Lock) -> Report:
                 report.removed.append(remains.name)
             except VmSandboxError as exc:
                 report.problems.append(f"{remains.name}: {exc.message}")
-        fabric = FabricLease(config)
-        if leased or fabric.ledger.is_dir():  # most hosts never leased: no more work for them
+        if fabric.ledger.is_dir():  # most hosts never leased: no more work for them
             strays = _fabric(fabric, view, lock, report)
             left = {lease.partition for lease in fabric.leases()}
             report.fabric_partitions = sorted((leased | set(strays)) - left)
