@@ -86,6 +86,12 @@ if [ ! -b "$rootdev" ]; then
   exec sh
 fi
 mount -t ext4 -o rw "$rootdev" /root || exec sh
+# /tmp starts empty at every boot, before anyone can log in (the image's tmpfiles rule for it
+# no longer empties it: see lean.sh). Nothing is started when it is empty already.
+for entry in /root/tmp/* /root/tmp/.[!.]* /root/tmp/..?*; do
+  [ -e "$entry" ] || [ -L "$entry" ] || continue
+  rm -rf "$entry"
+done
 # systemd keeps a /run that is there already: the seed's flag for the Python unit goes on it.
 mount -t tmpfs -o mode=0755,nosuid,nodev,size=20%,nr_inodes=800k tmpfs /root/run
 if [ "$seed" = yes ]; then
@@ -255,6 +261,14 @@ UNIT
 mkdir -p "$root/etc/modules-load.d"
 printf '# the ACPI power button (a graceful stop), without coldplugging ACPI\nbutton\n' \
   > "$root/etc/modules-load.d/vmsandbox.conf"
+
+# systemd-tmpfiles-setup runs seconds after sshd here, and Debian's rule for /tmp ("D") has it
+# empty /tmp at every boot: files a user wrote there in the first seconds after the create were
+# deleted. The rule becomes "d" (made if missing, never emptied); /init empties /tmp before
+# systemd starts instead.
+mkdir -p "$root/etc/tmpfiles.d"
+sed 's|^D /tmp |d /tmp |' "$root/usr/lib/tmpfiles.d/tmp.conf" > "$root/etc/tmpfiles.d/tmp.conf"
+grep -q '^d /tmp ' "$root/etc/tmpfiles.d/tmp.conf"
 
 # The journal lives in memory (/run): no journal files written to each sandbox's disk at every
 # boot, and no flush to /var (its unit masked: the start of sysinit's file setup waited for it,

@@ -33,9 +33,13 @@ PERSISTENCED_RULE = "/etc/udev/rules.d/71-vmsandbox-nvidia-persistenced.rules"
 TEST_RULE = "/run/udev/rules.d/71-vmsandbox-test.rules"
 
 
+EARLY_FILE = "/tmp/vmsandbox-early"  # written the moment the create returns
+
+
 @dataclass
 class Guest:
     image: str
+    name: str
     run: verify.Runner
     console_log: Path
     # What `systemctl is-system-running --wait` said: SSH answers before the rest of the boot
@@ -58,8 +62,10 @@ def guest(request: pytest.FixtureRequest, manager: SandboxManager) -> Iterator[G
     try:
         assert created.ssh is not None
         run = functools.partial(ssh.run, created.ssh, manager.keys_of(created))
+        assert run(f"echo early > {EARLY_FILE}", timeout=60).exit_status == 0
         state = run("sudo -n systemctl is-system-running --wait", timeout=300).stdout.strip()
-        yield Guest(image.name, run, SandboxFiles.of(manager.config, name).console_log, state)
+        console_log = SandboxFiles.of(manager.config, name).console_log
+        yield Guest(image.name, name, run, console_log, state)
     finally:
         with contextlib.suppress(NotFound):
             manager.destroy(name)
@@ -123,6 +129,14 @@ def test_udev_has_seen_the_nic_and_networkd_manages_it(guest: Guest) -> None:
     assert re.search(r"\beth0\b.*\broutable\b.*\bconfigured\b", status), status
 
 
+def test_a_file_written_to_tmp_at_once_outlives_the_rest_of_the_boot(guest: Guest) -> None:
+    """Written as soon as the create returned, while the boot went on after sshd: the boot's
+    file setup (systemd-tmpfiles-setup, seconds later here) used to empty /tmp and delete it."""
+    state = guest.out("systemctl show -P ActiveState systemd-tmpfiles-setup.service")
+    assert state.strip() == "active"
+    assert guest.out(f"cat {EARLY_FILE}").strip() == "early"
+
+
 def test_create_returns_with_the_root_filesystem_grown_to_the_disk(
     manager: SandboxManager,
 ) -> None:
@@ -180,3 +194,14 @@ def test_an_appearing_gpu_starts_the_persistence_daemon(guest: Guest) -> None:
             "sudo -n systemctl kill -s KILL nvidia-persistenced; "
             "sudo -n systemctl stop nvidia-persistenced; sudo -n systemctl reset-failed"
         )
+
+
+@pytest.mark.parametrize("guest", ["minimal"], indirect=True)  # the same /init in both images
+def test_tmp_starts_empty_at_every_boot(guest: Guest, manager: SandboxManager) -> None:
+    """/tmp is emptied before systemd starts (by /init, not by the boot's file setup)."""
+    guest.out("mkdir -p /tmp/.kept-dir && touch /tmp/kept /tmp/.kept /tmp/..kept")
+    manager.stop(guest.name)
+    started = manager.start(guest.name)
+    assert started.ssh is not None
+    listed = ssh.run(started.ssh, manager.keys_of(started), "ls -A /tmp", timeout=60).stdout
+    assert [entry for entry in listed.split() if "kept" in entry or "early" in entry] == []
