@@ -12,8 +12,12 @@ printf '/dev/vda / ext4 defaults,errors=remount-ro 0 1\n' > "$root/etc/fstab"
 rm -f "$root"/etc/ssh/ssh_host_*
 
 # Key-only SSH is baked in: the first boot never rewrites sshd_config.
+# ClientAliveInterval: a login whose host side went with a suspend (QEMU's network forward ends
+# with its process, and the guest is never told) would otherwise stay in the guest until TCP's
+# 2-hour keepalive; the first probe after the resume meets a reset and ends it.
 mkdir -p "$root/etc/ssh/sshd_config.d"
-printf 'PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin no\n' \
+printf '%s\n' 'PasswordAuthentication no' 'KbdInteractiveAuthentication no' \
+  'PermitRootLogin no' 'ClientAliveInterval 15' \
   > "$root/etc/ssh/sshd_config.d/90-vmsandbox.conf"
 
 # Serial console login for debugging through `virsh console`.

@@ -1,8 +1,9 @@
 """Suspend and resume on the real libvirtd. With the run's one booted guest (left running for the
 tests after): a process started before keeps its PID and its in-memory counter, a file written
 before keeps its checksum, the guest's clock is set right after the resume, through the
-guest's control channel. With a sandbox of its own, suspended while it boots: the save waits
-for that channel, and destroy removes the save file."""
+guest's control channel, and a login the suspend cut ends in the guest too. With a sandbox of
+its own, suspended while it boots: the save waits for that channel, and destroy removes the
+save file."""
 
 from __future__ import annotations
 
@@ -80,6 +81,28 @@ def test_a_suspended_sandbox_comes_back_as_it_was(
     with manager.locked():
         found = manager.store.require(name)
         manager.store.commit(found, lambda now: replace(now, labels=booted.labels))
+
+
+def test_a_login_cut_by_a_suspend_ends_in_the_guest(
+    manager: SandboxManager, booted: Sandbox
+) -> None:
+    """A login open across a suspend loses its host side with the old QEMU's network forward,
+    and the guest is never told: its sshd must end that login after the resume
+    (ClientAliveInterval) rather than keep it until TCP's keepalive, hours later."""
+    name = booted.name
+    logins = "pgrep -f '^sshd: [a-z_]+(@notty)?$' | grep -vx $PPID || true"  # not this one
+    before = set(_out(manager, name, logins).split())
+    client = manager.connect(name)  # logged in, then left idle
+    try:
+        (login,) = set(_out(manager, name, logins).split()) - before
+        manager.suspend(name)
+        manager.resume(name)
+        deadline = time.monotonic() + 90
+        while _out(manager, name, f"kill -0 {login} 2>/dev/null && echo alive || true"):
+            assert time.monotonic() < deadline, f"sshd {login} of the cut login still runs"
+            time.sleep(3)
+    finally:
+        client.close()
 
 
 def test_destroy_removes_a_suspended_sandboxs_save(config: Config) -> None:
