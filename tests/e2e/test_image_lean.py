@@ -131,7 +131,7 @@ def test_udev_has_seen_the_nic_and_networkd_manages_it(guest: Guest) -> None:
 
 def test_a_file_written_to_tmp_at_once_outlives_the_rest_of_the_boot(guest: Guest) -> None:
     """Written as soon as the create returned, while the boot went on after sshd: the boot's
-    file setup (systemd-tmpfiles-setup, seconds later here) used to empty /tmp and delete it."""
+    file setup (systemd-tmpfiles-setup, seconds later here) must leave /tmp as it is."""
     state = guest.out("systemctl show -P ActiveState systemd-tmpfiles-setup.service")
     assert state.strip() == "active"
     assert guest.out(f"cat {EARLY_FILE}").strip() == "early"
