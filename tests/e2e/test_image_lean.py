@@ -31,8 +31,6 @@ from vmsandbox.vm.console import BOOT_MARK_RE
 PERSISTENCED_RULE = "/etc/udev/rules.d/71-vmsandbox-nvidia-persistenced.rules"
 # The test's copy of that rule, matched to the guest's NIC instead of an NVIDIA GPU.
 TEST_RULE = "/run/udev/rules.d/71-vmsandbox-test.rules"
-
-
 EARLY_FILE = "/tmp/vmsandbox-early"  # written the moment the create returns
 
 
